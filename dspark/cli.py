@@ -1,0 +1,113 @@
+"""Command line: ``dspark generate`` and ``dspark bench``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+DEFAULT_CHAT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="model name or path (default: smollm2-135m-instruct, embedded)")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: cuda if available)")
+    p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 (default: bf16 on GPU, fp32 on CPU)")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
+    p.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
+    p.add_argument("--seed", type=int, default=0, help="engine seed for requests without their own")
+
+
+def _engine_kwargs(a: argparse.Namespace) -> dict:
+    kw = dict(
+        device=a.device, dtype=a.dtype, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+        kv_cache_memory_gb=a.kv_cache_memory_gb, enable_prefix_caching=not a.no_prefix_caching, seed=a.seed,
+    )
+    if a.max_model_len is not None:
+        kw["max_model_len"] = a.max_model_len
+    return kw
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    from dspark import LLMEngine, SamplingParams
+
+    params = SamplingParams(
+        max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p,
+        seed=a.sample_seed, stop=a.stop or [],
+    )
+    t0 = time.perf_counter()
+    engine = LLMEngine(a.model, **_engine_kwargs(a))
+    print(f"[dspark] loaded {engine.model_name} on {engine.config.device} ({engine.config.dtype}) "
+          f"in {time.perf_counter() - t0:.1f}s; {engine.runner.num_kv_blocks} KV blocks", file=sys.stderr)
+    if a.prompt is not None:
+        engine.add_request(a.prompt, params)
+    else:
+        engine.add_request(engine.tokenize_chat([{"role": "user", "content": a.chat or DEFAULT_CHAT}]), params)
+        print(f">>> {a.chat or DEFAULT_CHAT}", file=sys.stderr)
+    final = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            sys.stdout.write(out.delta_text)
+            sys.stdout.flush()
+            if out.finished:
+                final = out
+    sys.stdout.write("\n")
+    s = final.stats
+    tps = s["decode_tokens_per_s"]
+    print(f"[dspark] {s['num_output_tokens']} tokens, finish={final.finish_reason}, "
+          f"TTFT {s['time_to_first_token_s'] * 1000:.0f} ms, "
+          f"{'%.1f' % tps if tps else 'n/a'} tok/s decode", file=sys.stderr)
+    return 0
+
+
+def cmd_bench(a: argparse.Namespace) -> int:
+    from dspark.bench.decode import run_decode_bench
+
+    return run_decode_bench(a)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dspark", description="dspark: LLM inference with DSpark speculative decoding")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text for one prompt or chat message, streaming to the terminal")
+    _engine_args(g)
+    src = g.add_mutually_exclusive_group()
+    src.add_argument("--prompt", default=None, help="raw prompt (no chat template)")
+    src.add_argument("--chat", default=None, help="user message, wrapped in the model's chat template (default mode)")
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.set_defaults(func=cmd_generate)
+
+    b = sub.add_parser("bench", help="greedy batch-1 decode tok/s: dspark vs HF transformers, side by side")
+    _engine_args(b)
+    b.add_argument("--max-tokens", type=int, default=128, help="new tokens per run")
+    b.add_argument("--runs", type=int, default=3, help="timed runs per system (after one warm-up)")
+    b.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
+    b.add_argument("--json", default=None, help="write results to this JSON file")
+    b.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from dspark.models.errors import ModelLoadError
+    from dspark.sampling_params import InvalidRequestError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ModelLoadError, InvalidRequestError, ValueError) as e:
+        print(f"dspark: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

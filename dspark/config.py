@@ -1,0 +1,95 @@
+"""Engine and model configuration: frozen dataclasses, validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shapes of a Llama-family decoder (Llama, Qwen2, Qwen3), read from an HF config dict."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
+    qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+
+    SUPPORTED = ("llama", "qwen2", "qwen3")
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        from dspark.models.errors import ModelLoadError
+
+        mt = cfg.get("model_type")
+        if mt not in cls.SUPPORTED:
+            raise ModelLoadError(
+                f"unsupported model_type {mt!r}: dspark supports {', '.join(cls.SUPPORTED)}"
+            )
+        try:
+            heads = int(cfg["num_attention_heads"])
+            hidden = int(cfg["hidden_size"])
+            rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+            rope_type = rope.get("rope_type", rope.get("type", "default"))
+            if rope_type not in ("default", None):
+                raise ModelLoadError(f"unsupported RoPE scaling {rope_type!r}: only default RoPE is supported")
+            theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+            eos = cfg.get("eos_token_id")
+            eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+            return cls(
+                model_type=mt,
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_hidden_layers=int(cfg["num_hidden_layers"]),
+                num_attention_heads=heads,
+                num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=int(cfg.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(theta),
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                attention_bias=bool(cfg.get("attention_bias", mt == "qwen2")),
+                qk_norm=mt == "qwen3",
+                eos_token_ids=eos_ids,
+                bos_token_id=cfg.get("bos_token_id"),
+            )
+        except KeyError as e:
+            raise ModelLoadError(f"model config is missing the field {e.args[0]!r}") from None
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine schedules and stores KV. Defaults suit a small model on one device."""
+
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048  # token budget of one step (chunked prefill splits prompts under it)
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_gb
+    kv_cache_memory_gb: float = 1.0
+    enable_prefix_caching: bool = True
+    device: str = "cpu"
+    dtype: torch.dtype = torch.float32
+    seed: int = 0  # seeds the per-request seeds of requests that bring none
+
+    def __post_init__(self) -> None:
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")

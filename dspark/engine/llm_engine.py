@@ -1,0 +1,202 @@
+"""LLMEngine: requests in, incremental outputs out. One ``step()`` = schedule -> run -> update.
+
+    add_request ─► Scheduler.waiting ─► schedule() ─► ModelRunner.execute() ─► Scheduler.update()
+                                                                              ─► detokenize, stop strings
+                                                                              ─► RequestOutput deltas
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from dspark.config import EngineConfig
+from dspark.engine.detokenizer import IncrementalDetokenizer
+from dspark.engine.kv_cache import KVCacheManager
+from dspark.engine.request import Request
+from dspark.engine.runner import ModelRunner
+from dspark.engine.scheduler import Scheduler
+from dspark.models.loader import load_model
+from dspark.sampling_params import InvalidRequestError, SamplingParams
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str  # all output text so far
+    token_ids: list[int]  # all output tokens so far
+    delta_text: str  # text new since the previous output of this request
+    delta_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None
+    stats: dict[str, Any] = field(default_factory=dict)
+    logprobs: list[dict] | None = None
+
+
+def resolve_device(device: str | None) -> str:
+    if device in (None, "auto"):
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+    if dtype not in table:
+        raise ValueError(f"unknown dtype {dtype!r}: use one of {', '.join(table)}")
+    return table[dtype]
+
+
+class LLMEngine:
+    def __init__(self, model: str | None = None, *, device: str | None = None,
+                 dtype: str | torch.dtype | None = None, **engine_kwargs: Any) -> None:
+        dev = resolve_device(device)
+        cfg = EngineConfig(device=dev, dtype=resolve_dtype(dtype, dev), **engine_kwargs)
+        loaded = load_model(model, cfg.dtype, dev)
+        mc = loaded.config
+        if cfg.max_model_len is None:
+            cfg = replace(cfg, max_model_len=mc.max_position_embeddings)
+        elif cfg.max_model_len > mc.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {cfg.max_model_len} exceeds the model's max_position_embeddings "
+                f"{mc.max_position_embeddings}"
+            )
+        self.config = cfg
+        self.model_name = loaded.name
+        self.model_config = mc
+        self.tokenizer = loaded.tokenizer
+        self.runner = ModelRunner(loaded, cfg)
+        del loaded
+        self.kv = KVCacheManager(self.runner.num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(cfg, self.kv)
+        self.requests: dict[str, Request] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._sent: dict[str, tuple[int, int]] = {}  # request id -> (chars, tokens) already reported
+        self._seed_rng = random.Random(cfg.seed)
+        self._counter = 0
+
+    # ---------------------------------------------------------------- requests
+    def tokenize_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequestError(f"model {self.model_name!r} has no chat template")
+        if not isinstance(messages, list) or not messages:
+            raise InvalidRequestError("messages must be a non-empty list of {role, content} objects")
+        for m in messages:
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise InvalidRequestError(f"each message needs a string 'role' and 'content', got {m!r}")
+        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if not isinstance(out, list):  # transformers 5 may return a BatchEncoding
+            out = out["input_ids"]
+        return list(out)
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Validate and queue a request. Raises InvalidRequestError (before any work) on bad input."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}")
+        params.validate()
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError(f"model {self.model_name!r} has no tokenizer: pass token ids")
+            text: str | None = prompt
+            ids = list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            text, ids = None, list(prompt)
+        else:
+            raise InvalidRequestError("prompt must be a string or a list of token ids")
+        if not ids:
+            raise InvalidRequestError("prompt is empty")
+        V = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < V]
+        if bad:
+            raise InvalidRequestError(f"prompt token id {bad[0]} is out of range [0, {V})")
+        if len(ids) > self.config.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {len(ids)} tokens, more than max_model_len {self.config.max_model_len}"
+            )
+        if request_id is None:
+            request_id = f"req-{self._counter}"
+            self._counter += 1
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        req = Request(request_id, ids, params, seed, self.model_config.eos_token_ids, prompt=text)
+        self.requests[request_id] = req
+        self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, req)
+        self._sent[request_id] = (0, 0)
+        self.scheduler.add(req)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        req = self.requests.get(request_id)
+        if req is not None and not req.is_finished:
+            self.scheduler.finish(req, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # ---------------------------------------------------------------- one step
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; return an output for every request that produced something or ended."""
+        sched = self.scheduler.schedule()
+        touched: dict[str, Request] = {r.request_id: r for r in sched.finished}
+        if sched.scheduled:
+            result = self.runner.execute(sched, self.kv)
+            self.scheduler.update(sched, result.new_tokens)
+            for rid in result.new_tokens:
+                req = self.requests[rid]
+                touched[rid] = req
+                if req.logprobs is not None and rid in result.logprobs:
+                    req.logprobs.extend(result.logprobs[rid])
+                try:
+                    stop = self._detok[rid].update()
+                except Exception as e:  # one request's failure must not fail the batch
+                    req.stop_reason = f"detokenization failed: {e}"
+                    self.scheduler.finish(req, "error", req.stop_reason)
+                    continue
+                if stop is not None and not req.is_finished:
+                    self.scheduler.finish(req, "stop", stop)
+                elif stop is not None:  # finished on a token in the same step; the string came first
+                    req.finish_reason, req.stop_reason = "stop", stop
+        # Aborted requests are reported once too.
+        for rid, req in list(self.requests.items()):
+            if req.is_finished:
+                touched.setdefault(rid, req)
+        return [self._output(r) for r in touched.values()]
+
+    def _output(self, req: Request) -> RequestOutput:
+        rid = req.request_id
+        sent_chars, sent_toks = self._sent[rid]
+        toks = req.output_token_ids
+        out = RequestOutput(
+            request_id=rid,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            text=req.output_text,
+            token_ids=toks,
+            delta_text=req.output_text[sent_chars:],
+            delta_token_ids=toks[sent_toks:],
+            finished=req.is_finished,
+            finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason,
+            logprobs=req.logprobs,
+        )
+        self._sent[rid] = (len(req.output_text), len(toks))
+        if req.is_finished:
+            if req.stats.finish_time is None:
+                req.stats.finish_time = time.perf_counter()
+            out.stats = req.stats.as_dict(req.num_prompt_tokens, req.num_output_tokens)
+            del self.requests[rid], self._detok[rid], self._sent[rid]
+        return out

@@ -1,0 +1,183 @@
+"""Decides which requests run in the next step and how many tokens each gets.
+
+Phase-less (as in vLLM v1): a request has ``num_computed_tokens``; a step gives it
+``num_tokens_with_spec - num_computed_tokens`` more, capped by the step's token budget. A long prompt
+is thus prefilled in chunks, a decoding request gets 1 token (or 1 + its drafts), and prefill and
+decode share one batch. Running requests are served first (in arrival order); waiting ones are
+admitted while budget, ``max_num_seqs`` and KV blocks allow. When a running request cannot get KV
+blocks, the most recently admitted running request is preempted: its blocks are freed and it is
+recomputed later from its tokens (the prefix cache usually makes that cheap).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from dspark.config import EngineConfig
+from dspark.engine.kv_cache import KVCacheManager
+from dspark.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_tokens: int  # query tokens this step: positions [num_computed, num_computed + num_tokens)
+    num_spec_tokens: int  # drafts among them (the last num_spec_tokens rows)
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the end of the known tokens, so logits are needed."""
+        r = self.request
+        return r.num_computed_tokens + self.num_tokens >= r.num_tokens_with_spec
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    finished: list[Request] = field(default_factory=list)  # finished by the scheduler (e.g. KV exhausted)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, num_lookahead_tokens: int = 0) -> None:
+        self.config = config
+        self.kv = kv
+        self.num_lookahead_tokens = num_lookahead_tokens  # KV slots reserved per request for drafts
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    # ---------------------------------------------------------------- requests in and out
+    def add(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def finish(self, request: Request, reason: str, stop_reason: int | str | None = None) -> None:
+        """End a request (stop, length, abort) and free its KV blocks at once."""
+        if request.is_finished:
+            return
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.stop_reason = stop_reason
+        request.spec_token_ids = []
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ---------------------------------------------------------------- one step
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        max_len = self.config.max_model_len
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens_with_spec - req.num_computed_tokens, budget)
+            num_new = min(num_new, max_len - req.num_computed_tokens)
+            if num_new <= 0:
+                i += 1
+                continue
+            if not self._make_room(req, num_new, out):
+                continue  # req left the running list; running[i] is now the next request
+            n_spec = max(0, min(len(req.spec_token_ids), req.num_computed_tokens + num_new - req.num_tokens))
+            out.scheduled.append(ScheduledRequest(req, num_new, n_spec))
+            budget -= num_new
+            i += 1
+
+        if not out.preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                req = self.waiting[0]
+                hit_blocks: list[int] = []
+                if req.num_computed_tokens == 0:
+                    hit_blocks, num_hit = self.kv.find_cached_prefix(req)
+                    req.num_computed_tokens = num_hit
+                    if req.status is RequestStatus.WAITING:
+                        req.stats.num_cached_tokens = num_hit
+                num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+                if not self.kv.allocate_slots(req, num_new, hit_blocks, self.num_lookahead_tokens):
+                    req.num_computed_tokens = 0
+                    break
+                self.waiting.popleft()
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                out.scheduled.append(ScheduledRequest(req, num_new, 0))
+                budget -= num_new
+        return out
+
+    def _make_room(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:
+        """Allocate KV for ``req``, preempting the newest running requests as needed. Returns False
+        if ``req`` itself had to leave: preempted, or finished when it alone overflows the cache."""
+        while not self.kv.allocate_slots(req, num_new, num_lookahead_tokens=self.num_lookahead_tokens):
+            victim = self.running[-1]  # never one already scheduled this step: those sit before req
+            if victim is req and len(self.running) == 1:
+                self.finish(req, "length")  # nothing left to free: the cache cannot hold it
+                out.finished.append(req)
+                return False
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.spec_token_ids = []
+        req.stats.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def update(self, out: SchedulerOutput, new_tokens: dict[str, list[int]]) -> list[Request]:
+        """Apply a step's results. ``new_tokens[id]`` holds the tokens emitted for a request that
+        sampled: accepted drafts followed by one recovered or bonus token (just one token without
+        speculation). Rejected drafts' positions are rolled back. Returns requests that finished on
+        a token-level stop (EOS, stop token, max_tokens, max_model_len)."""
+        finished: list[Request] = []
+        for s in out.scheduled:
+            req = s.request
+            if req.is_finished:
+                continue
+            req.num_computed_tokens += s.num_tokens
+            toks = new_tokens.get(req.request_id)
+            if toks is None:  # a prefill chunk that does not reach the end of the prompt
+                self.kv.commit(req)
+                continue
+            num_accepted_drafts = len(toks) - 1
+            num_rejected = s.num_spec_tokens - num_accepted_drafts
+            assert num_rejected >= 0, "more tokens emitted than drafts verified + 1"
+            req.num_computed_tokens -= num_rejected
+            req.spec_token_ids = []
+            if req.stats.first_token_time is None:
+                req.stats.first_token_time = time.perf_counter()
+            for t in toks:
+                req.token_ids.append(t)
+                reason = self._check_stop(req, t)
+                if reason is not None:
+                    self.finish(req, *reason)
+                    finished.append(req)
+                    break
+            self.kv.commit(req)  # after appending: accepted drafts are committed tokens now
+        return finished
+
+    def _check_stop(self, req: Request, token: int) -> tuple[str, int | None] | None:
+        p = req.params
+        if token in req.eos_token_ids:
+            return "stop", token
+        if token in p.stop_token_ids:
+            return "stop", token
+        if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.config.max_model_len:
+            return "length", None
+        return None

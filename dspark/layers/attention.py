@@ -1,0 +1,106 @@
+"""Attention over the paged KV cache: a small backend interface and the PyTorch reference backend.
+
+A backend has two calls: ``prepare(batch)`` turns the step's flattened batch description into
+whatever metadata its kernels need (once per step, shared by all layers), and ``forward`` writes the
+new K/V into the cache and attends. Faster GPU backends (Triton) implement the same two calls.
+
+Cache layout per layer: ``[num_blocks, block_size, num_kv_heads, head_dim]`` for K and for V; a
+token at position p of a request lives in slot ``block_table[p // block_size] * block_size +
+p % block_size``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class BatchLayout:
+    """The step's flattened batch, as the runner built it. T = total query tokens, B = requests."""
+
+    positions: torch.Tensor  # [T] int64, absolute position of each query token
+    slot_mapping: torch.Tensor  # [T] int64, cache slot each new K/V is written to
+    query_start_loc: list[int]  # [B + 1], request b owns query rows [qsl[b], qsl[b+1])
+    seq_lens: list[int]  # [B], tokens with KV after this step (context + new tokens)
+    block_tables: torch.Tensor  # [B, max_blocks] int64, padded with the dummy block 0
+    block_size: int
+
+
+class AttentionBackend(Protocol):
+    def prepare(self, layout: BatchLayout) -> object: ...
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        v_cache: torch.Tensor,
+        meta: object,
+        scale: float,
+    ) -> torch.Tensor: ...  # [T, Hq, D]
+
+
+@dataclass
+class TorchAttentionMetadata:
+    slot_mapping: torch.Tensor  # [T]
+    q_index: torch.Tensor  # [B, max_q] flat query row of each padded (request, i); padding -> 0
+    kv_slots: torch.Tensor  # [B, max_kv] cache slot of each context position; padding -> slot 0 (dummy)
+    mask: torch.Tensor  # [B, 1, max_q, max_kv] bool, True = may attend
+    out_index: torch.Tensor  # [T] row of the padded [B * max_q] output holding each query row
+
+
+class TorchAttentionBackend:
+    """Reference backend: gather each request's context from the paged cache into a padded batch and
+    run one SDPA call per layer with an explicit causal mask. Works on any device."""
+
+    def prepare(self, layout: BatchLayout) -> TorchAttentionMetadata:
+        device = layout.positions.device
+        qsl = layout.query_start_loc
+        B = len(layout.seq_lens)
+        q_lens = torch.tensor([qsl[b + 1] - qsl[b] for b in range(B)], dtype=torch.int64)
+        seq_lens = torch.tensor(layout.seq_lens, dtype=torch.int64)
+        max_q, max_kv = int(q_lens.max()), int(seq_lens.max())
+        starts = torch.tensor(qsl[:-1], dtype=torch.int64)
+        i = torch.arange(max_q)
+        q_valid = i[None, :] < q_lens[:, None]  # [B, max_q]
+        q_index = torch.where(q_valid, starts[:, None] + i[None, :], 0)
+        out_index = (torch.arange(B)[:, None] * max_q + i[None, :])[q_valid]
+        # Query i of request b sits at position seq_len - q_len + i; it sees keys at positions <= it.
+        q_pos = seq_lens[:, None] - q_lens[:, None] + i[None, :]  # [B, max_q]
+        j = torch.arange(max_kv)
+        mask = j[None, None, :] <= q_pos[:, :, None]  # [B, max_q, max_kv]
+        mask &= q_valid[:, :, None]
+        mask[:, :, 0] |= ~q_valid  # padding rows attend to one key, so softmax stays finite
+        bt = layout.block_tables.cpu()
+        bs = layout.block_size
+        blk = bt.gather(1, (j // bs)[None, :].expand(B, -1).clamp(max=bt.shape[1] - 1))
+        kv_slots = torch.where(j[None, :] < seq_lens[:, None], blk * bs + j % bs, 0)
+        return TorchAttentionMetadata(
+            slot_mapping=layout.slot_mapping,
+            q_index=q_index.to(device),
+            kv_slots=kv_slots.to(device),
+            mask=mask[:, None].to(device),
+            out_index=out_index.to(device),
+        )
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: TorchAttentionMetadata, scale: float) -> torch.Tensor:
+        T, Hq, D = q.shape
+        Hkv = k.shape[1]
+        kc = k_cache.view(-1, Hkv, D)
+        vc = v_cache.view(-1, Hkv, D)
+        kc.index_copy_(0, meta.slot_mapping, k)
+        vc.index_copy_(0, meta.slot_mapping, v)
+        B, max_q = meta.q_index.shape
+        qb = q[meta.q_index].transpose(1, 2)  # [B, Hq, max_q, D]
+        kb = kc[meta.kv_slots].transpose(1, 2)  # [B, Hkv, max_kv, D]
+        vb = vc[meta.kv_slots].transpose(1, 2)
+        if Hq != Hkv:
+            kb = kb.repeat_interleave(Hq // Hkv, dim=1)
+            vb = vb.repeat_interleave(Hq // Hkv, dim=1)
+        o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=meta.mask, scale=scale)  # [B, Hq, max_q, D]
+        return o.transpose(1, 2).reshape(B * max_q, Hq, D)[meta.out_index]

@@ -1,0 +1,150 @@
+"""Llama-family decoder (Llama, Qwen2, Qwen3) over a flattened batch and the paged KV cache.
+
+Inputs are flattened across requests: ``input_ids [T]`` and ``positions [T]``; attention finds each
+request's rows and cache slots through the backend metadata. q/k/v and gate/up are fused into one
+matmul each (fewer kernels per step). The model can also return the raw outputs (the residual stream
+before the final norm) of chosen decoder layers — the taps a DSpark drafter is fed with; with no taps
+requested nothing extra is computed or stored.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dspark.config import ModelConfig
+from dspark.layers.attention import AttentionBackend
+from dspark.layers.basic import RMSNorm, RotaryEmbedding, silu_and_mul
+from dspark.models.errors import ModelLoadError
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(self, x, positions, rope: RotaryEmbedding, backend: AttentionBackend, meta, kv: torch.Tensor):
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(positions, q, k)
+        o = backend.forward(q, k, v, kv[0], kv[1], meta, self.scale)  # [T, Hq, D]
+        return self.o_proj(o.reshape(T, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, h, positions, rope, backend, meta, kv):
+        h = h + self.self_attn(self.input_layernorm(h), positions, rope, backend, meta, kv)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int, tap_layers: tuple[int, ...] = ()) -> None:
+        super().__init__()
+        self.config = cfg
+        for i in tap_layers:
+            if not 0 <= i < cfg.num_hidden_layers:
+                raise ValueError(f"tap layer {i} is out of range for {cfg.num_hidden_layers} layers")
+        self.tap_layers = tuple(tap_layers)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, max_positions)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        backend: AttentionBackend,
+        meta: object,
+        kv_caches: torch.Tensor,  # [L, 2, num_blocks, block_size, Hkv, D]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Returns (final-normed hidden states [T, H], taps [T, len(tap_layers) * H] or None)."""
+        h = self.embed_tokens(input_ids)
+        taps: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            h = layer(h, positions, self.rope, backend, meta, kv_caches[i])
+            if i in self.tap_layers:
+                taps[i] = h
+        tap = torch.cat([taps[i] for i in self.tap_layers], dim=-1) if taps else None
+        return self.norm(h), tap
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, H] -> [N, V] float32 logits."""
+        return torch.matmul(hidden, self.lm_head_weight.t()).float()
+
+    # ---------------------------------------------------------------- weights
+    @torch.no_grad()
+    def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        """Load HF-named weights (``model.layers.{i}.self_attn.q_proj.weight``, ...), fusing q/k/v and
+        gate/up. Raises ModelLoadError naming any missing tensor or shape mismatch."""
+        cfg = self.config
+        used: set[str] = set()
+
+        def take(name: str) -> torch.Tensor:
+            if name not in sd:
+                raise ModelLoadError(f"checkpoint is missing tensor {name!r}")
+            used.add(name)
+            return sd[name]
+
+        def put(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
+            if tuple(param.shape) != tuple(value.shape):
+                raise ModelLoadError(f"tensor {name!r} has shape {tuple(value.shape)}, expected {tuple(param.shape)}")
+            param.copy_(value)
+
+        put(self.embed_tokens.weight, take("model.embed_tokens.weight"), "model.embed_tokens.weight")
+        put(self.norm.weight, take("model.norm.weight"), "model.norm.weight")
+        if self.lm_head is not None:
+            put(self.lm_head.weight, take("lm_head.weight"), "lm_head.weight")
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            a = layer.self_attn
+            qkv = torch.cat([take(p + f"self_attn.{x}_proj.weight") for x in "qkv"], 0)
+            put(a.qkv_proj.weight, qkv, p + "self_attn.qkv_proj.weight")
+            if cfg.attention_bias:
+                qkv_b = torch.cat([take(p + f"self_attn.{x}_proj.bias") for x in "qkv"], 0)
+                put(a.qkv_proj.bias, qkv_b, p + "self_attn.qkv_proj.bias")
+            put(a.o_proj.weight, take(p + "self_attn.o_proj.weight"), p + "self_attn.o_proj.weight")
+            if cfg.qk_norm:
+                put(a.q_norm.weight, take(p + "self_attn.q_norm.weight"), p + "self_attn.q_norm.weight")
+                put(a.k_norm.weight, take(p + "self_attn.k_norm.weight"), p + "self_attn.k_norm.weight")
+            gu = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], 0)
+            put(layer.mlp.gate_up_proj.weight, gu, p + "mlp.gate_up_proj.weight")
+            put(layer.mlp.down_proj.weight, take(p + "mlp.down_proj.weight"), p + "mlp.down_proj.weight")
+            for n in ("input_layernorm", "post_attention_layernorm"):
+                put(getattr(layer, n).weight, take(p + n + ".weight"), p + n + ".weight")
