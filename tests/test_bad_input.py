@@ -135,4 +135,3 @@ def test_max_model_len_beyond_model(tiny_checkpoints):
 def test_unknown_dtype():
     with pytest.raises(ValueError, match="unknown dtype 'float8'"):
         LLM(device="cpu", dtype="float8")
-    del torch
