@@ -52,6 +52,7 @@ class TorchAttentionMetadata:
     kv_slots: torch.Tensor  # [B, max_kv] cache slot of each context position; padding -> slot 0 (dummy)
     mask: torch.Tensor  # [B, 1, max_q, max_kv] bool, True = may attend
     out_index: torch.Tensor  # [T] row of the padded [B * max_q] output holding each query row
+    uniform: bool  # every request has max_q query rows (decode, verify): no padding, views suffice
 
 
 class TorchAttentionBackend:
@@ -86,6 +87,7 @@ class TorchAttentionBackend:
             kv_slots=kv_slots.to(device),
             mask=mask[:, None].to(device),
             out_index=out_index.to(device),
+            uniform=bool((q_lens == max_q).all()),
         )
 
     def forward(self, q, k, v, k_cache, v_cache, meta: TorchAttentionMetadata, scale: float) -> torch.Tensor:
@@ -96,11 +98,11 @@ class TorchAttentionBackend:
         kc.index_copy_(0, meta.slot_mapping, k)
         vc.index_copy_(0, meta.slot_mapping, v)
         B, max_q = meta.q_index.shape
-        qb = q[meta.q_index].transpose(1, 2)  # [B, Hq, max_q, D]
+        qb = (q.view(B, max_q, Hq, D) if meta.uniform else q[meta.q_index]).transpose(1, 2)  # [B, Hq, max_q, D]
         kb = kc[meta.kv_slots].transpose(1, 2)  # [B, Hkv, max_kv, D]
         vb = vc[meta.kv_slots].transpose(1, 2)
-        if Hq != Hkv:
-            kb = kb.repeat_interleave(Hq // Hkv, dim=1)
-            vb = vb.repeat_interleave(Hq // Hkv, dim=1)
-        o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=meta.mask, scale=scale)  # [B, Hq, max_q, D]
-        return o.transpose(1, 2).reshape(B * max_q, Hq, D)[meta.out_index]
+        o = F.scaled_dot_product_attention(
+            qb, kb, vb, attn_mask=meta.mask, scale=scale, enable_gqa=Hq != Hkv
+        )  # [B, Hq, max_q, D]
+        o = o.transpose(1, 2).reshape(B * max_q, Hq, D)
+        return o if meta.uniform else o[meta.out_index]

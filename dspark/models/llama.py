@@ -14,7 +14,8 @@ from torch import nn
 
 from dspark.config import ModelConfig
 from dspark.layers.attention import AttentionBackend
-from dspark.layers.basic import RMSNorm, RotaryEmbedding, silu_and_mul
+from dspark.layers.basic import RMSNorm, RotaryEmbedding, apply_rope, silu_and_mul
+from dspark.layers.linear import Linear
 from dspark.models.errors import ModelLoadError
 
 
@@ -27,12 +28,12 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x, positions, rope: RotaryEmbedding, backend: AttentionBackend, meta, kv: torch.Tensor):
+    def forward(self, x, cos_sin, backend: AttentionBackend, meta, kv: torch.Tensor):
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
@@ -40,7 +41,7 @@ class Attention(nn.Module):
         v = v.view(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(positions, q, k)
+        q, k = apply_rope(q, *cos_sin), apply_rope(k, *cos_sin)
         o = backend.forward(q, k, v, kv[0], kv[1], meta, self.scale)  # [T, Hq, D]
         return self.o_proj(o.reshape(T, self.q_size))
 
@@ -48,8 +49,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -63,8 +64,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, h, positions, rope, backend, meta, kv):
-        h = h + self.self_attn(self.input_layernorm(h), positions, rope, backend, meta, kv)
+    def forward(self, h, cos_sin, backend, meta, kv):
+        h = h + self.self_attn(self.input_layernorm(h), cos_sin, backend, meta, kv)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -80,11 +81,8 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, max_positions)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-
-    @property
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        # Its own input-major copy even when tied to the embedding (see layers/linear.py for why).
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
 
     def forward(
         self,
@@ -96,9 +94,10 @@ class LlamaForCausalLM(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns (final-normed hidden states [T, H], taps [T, len(tap_layers) * H] or None)."""
         h = self.embed_tokens(input_ids)
+        cos_sin = self.rope.cos_sin(positions, h.dtype)
         taps: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
-            h = layer(h, positions, self.rope, backend, meta, kv_caches[i])
+            h = layer(h, cos_sin, backend, meta, kv_caches[i])
             if i in self.tap_layers:
                 taps[i] = h
         tap = torch.cat([taps[i] for i in self.tap_layers], dim=-1) if taps else None
@@ -106,7 +105,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] -> [N, V] float32 logits."""
-        return torch.matmul(hidden, self.lm_head_weight.t()).float()
+        return self.lm_head(hidden).float()
 
     # ---------------------------------------------------------------- weights
     @torch.no_grad()
@@ -114,12 +113,10 @@ class LlamaForCausalLM(nn.Module):
         """Load HF-named weights (``model.layers.{i}.self_attn.q_proj.weight``, ...), fusing q/k/v and
         gate/up. Raises ModelLoadError naming any missing tensor or shape mismatch."""
         cfg = self.config
-        used: set[str] = set()
 
         def take(name: str) -> torch.Tensor:
             if name not in sd:
                 raise ModelLoadError(f"checkpoint is missing tensor {name!r}")
-            used.add(name)
             return sd[name]
 
         def put(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
@@ -127,24 +124,29 @@ class LlamaForCausalLM(nn.Module):
                 raise ModelLoadError(f"tensor {name!r} has shape {tuple(value.shape)}, expected {tuple(param.shape)}")
             param.copy_(value)
 
+        def put_linear(lin: Linear, names: list[str], bias: bool = False) -> None:
+            w = torch.cat([take(n + ".weight") for n in names], 0)
+            b = torch.cat([take(n + ".bias") for n in names], 0) if bias else None
+            try:
+                lin.load(w, b)
+            except ModelLoadError as e:
+                raise ModelLoadError(f"tensor(s) {', '.join(names)}: {e}") from None
+
         put(self.embed_tokens.weight, take("model.embed_tokens.weight"), "model.embed_tokens.weight")
         put(self.norm.weight, take("model.norm.weight"), "model.norm.weight")
-        if self.lm_head is not None:
-            put(self.lm_head.weight, take("lm_head.weight"), "lm_head.weight")
+        if cfg.tie_word_embeddings:
+            self.lm_head.load(self.embed_tokens.weight)
+        else:
+            put_linear(self.lm_head, ["lm_head"])
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             a = layer.self_attn
-            qkv = torch.cat([take(p + f"self_attn.{x}_proj.weight") for x in "qkv"], 0)
-            put(a.qkv_proj.weight, qkv, p + "self_attn.qkv_proj.weight")
-            if cfg.attention_bias:
-                qkv_b = torch.cat([take(p + f"self_attn.{x}_proj.bias") for x in "qkv"], 0)
-                put(a.qkv_proj.bias, qkv_b, p + "self_attn.qkv_proj.bias")
-            put(a.o_proj.weight, take(p + "self_attn.o_proj.weight"), p + "self_attn.o_proj.weight")
+            put_linear(a.qkv_proj, [p + f"self_attn.{x}_proj" for x in "qkv"], cfg.attention_bias)
+            put_linear(a.o_proj, [p + "self_attn.o_proj"])
             if cfg.qk_norm:
                 put(a.q_norm.weight, take(p + "self_attn.q_norm.weight"), p + "self_attn.q_norm.weight")
                 put(a.k_norm.weight, take(p + "self_attn.k_norm.weight"), p + "self_attn.k_norm.weight")
-            gu = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], 0)
-            put(layer.mlp.gate_up_proj.weight, gu, p + "mlp.gate_up_proj.weight")
-            put(layer.mlp.down_proj.weight, take(p + "mlp.down_proj.weight"), p + "mlp.down_proj.weight")
+            put_linear(layer.mlp.gate_up_proj, [p + "mlp.gate_proj", p + "mlp.up_proj"])
+            put_linear(layer.mlp.down_proj, [p + "mlp.down_proj"])
             for n in ("input_layernorm", "post_attention_layernorm"):
                 put(getattr(layer, n).weight, take(p + n + ".weight"), p + n + ".weight")
