@@ -22,6 +22,9 @@ from dspark.engine.runner import ModelRunner
 from dspark.engine.scheduler import Scheduler
 from dspark.models.loader import load_model
 from dspark.sampling_params import InvalidRequestError, SamplingParams
+from dspark.spec.config import SpeculativeConfig
+from dspark.spec.metrics import SpecStats
+from dspark.spec.proposer import DSparkProposerFactory
 
 
 @dataclass
@@ -60,7 +63,12 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
 
 class LLMEngine:
     def __init__(self, model: str | None = None, *, device: str | None = None,
-                 dtype: str | torch.dtype | None = None, **engine_kwargs: Any) -> None:
+                 dtype: str | torch.dtype | None = None,
+                 speculative_config: SpeculativeConfig | dict | str | None = None,
+                 proposer_factory: Any = None, **engine_kwargs: Any) -> None:
+        """``proposer_factory`` replaces the DSpark drafter named by ``speculative_config["model"]``
+        with another proposer (see spec/proposer.py; tests use an oracle)."""
+        spec = SpeculativeConfig.parse(speculative_config)  # key errors before any loading
         dev = resolve_device(device)
         cfg = EngineConfig(device=dev, dtype=resolve_dtype(dtype, dev), **engine_kwargs)
         loaded = load_model(model, cfg.dtype, dev)
@@ -76,8 +84,17 @@ class LLMEngine:
         self.model_name = loaded.name
         self.model_config = mc
         self.tokenizer = loaded.tokenizer
-        self.runner = ModelRunner(loaded, cfg)
+        factory = proposer_factory
+        if spec is not None and factory is None:
+            factory = DSparkProposerFactory(spec, mc, cfg.max_model_len + 64, cfg.dtype, dev)
+        if factory is not None and spec is None:
+            spec = SpeculativeConfig()
+        self.runner = ModelRunner(loaded, cfg, spec, factory)
         del loaded
+        self.spec_config = spec
+        self.spec_notes = getattr(factory, "notes", [])
+        self.spec_stats = SpecStats()  # aggregated over all requests
+        self._req_spec: dict[str, SpecStats] = {}
         self.kv = KVCacheManager(self.runner.num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(cfg, self.kv)
         self.requests: dict[str, Request] = {}
@@ -155,6 +172,7 @@ class LLMEngine:
         if sched.scheduled:
             result = self.runner.execute(sched, self.kv)
             self.scheduler.update(sched, result.new_tokens)
+            self._record_spec(result)
             for rid in result.new_tokens:
                 req = self.requests[rid]
                 touched[rid] = req
@@ -175,6 +193,19 @@ class LLMEngine:
             if req.is_finished:
                 touched.setdefault(rid, req)
         return [self._output(r) for r in touched.values()]
+
+    def _record_spec(self, result) -> None:
+        self.spec_stats.draft_time_s += result.draft_time_s
+        self.spec_stats.verify_time_s += result.verify_time_s
+        for rid, (n, a) in result.verified.items():
+            self.spec_stats.record(n, a)
+            self._req_spec.setdefault(rid, SpecStats()).record(n, a)
+        for rid, drafts in result.drafts.items():
+            req = self.requests[rid]
+            if not req.is_finished:
+                req.spec_token_ids = drafts
+            else:
+                self.runner.release(rid)
 
     def _output(self, req: Request) -> RequestOutput:
         rid = req.request_id
@@ -198,5 +229,9 @@ class LLMEngine:
             if req.stats.finish_time is None:
                 req.stats.finish_time = time.perf_counter()
             out.stats = req.stats.as_dict(req.num_prompt_tokens, req.num_output_tokens)
+            if self.spec_config is not None:
+                st = self._req_spec.pop(rid, SpecStats())
+                out.stats.update({k: v for k, v in st.as_dict().items() if "time" not in k})
+            self.runner.release(rid)
             del self.requests[rid], self._detok[rid], self._sent[rid]
         return out

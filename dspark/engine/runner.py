@@ -1,57 +1,113 @@
-"""Model runner: owns the model, the KV tensors and the sampler; turns a SchedulerOutput into tokens.
+"""Model runner: owns the model, the KV tensors, the sampler and (with speculation) the proposer;
+turns a SchedulerOutput into emitted tokens and the next drafts.
 
-Per step it builds the flattened inputs (input ids, positions, slot mapping, block tables, query
-start locations), lets the attention backend prepare its metadata once, runs the model, computes
-logits only for rows that sample, and samples them.
+One step:
+  1. flattened inputs (input ids, positions, slot mapping, block tables, query start locations);
+     the attention backend prepares its metadata once;
+  2. target forward (with the drafter's tap layers when speculating);
+  3. logits only for rows that decide tokens: the last row of a request that samples, or all
+     1 + N rows of a request verifying N drafts;
+  4. plain sampling, or verification (greedy / standard / block) of the drafts;
+  5. speculation: write the drafter's context for committed rows only (rejected rows never), then
+     draft the next block from the new anchor.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 
 from dspark.config import EngineConfig
 from dspark.engine.kv_cache import KVCacheManager
+from dspark.engine.request import Request
 from dspark.engine.scheduler import SchedulerOutput
 from dspark.layers.attention import BatchLayout, TorchAttentionBackend
 from dspark.models.llama import LlamaForCausalLM
 from dspark.models.loader import LoadedModel
-from dspark.sample.sampler import Sampler, SamplingBatch
+from dspark.sample.sampler import Sampler, SamplingBatch, compute_probs
+from dspark.spec.config import SpeculativeConfig
+from dspark.spec.proposer import Proposer
+from dspark.spec.rejection import verify_greedy, verify_probabilistic
 
 
 @dataclass
 class StepResult:
     new_tokens: dict[str, list[int]]  # request id -> emitted tokens (requests that sampled)
-    logprobs: dict[str, list[dict]]  # request id -> per emitted token {"token", "logprob", "top"}
+    logprobs: dict[str, list[dict]] = field(default_factory=dict)  # per emitted token {"token", "logprob", "top"}
+    drafts: dict[str, list[int]] = field(default_factory=dict)  # request id -> drafts for the next step
+    verified: dict[str, tuple[int, int]] = field(default_factory=dict)  # request id -> (drafts verified, accepted)
+    draft_time_s: float = 0.0
+    verify_time_s: float = 0.0
+
+
+def spec_eligible(req: Request) -> bool:
+    """Penalties make the target's distribution depend on the drafts themselves: such requests
+    decode without speculation."""
+    p = req.params
+    return p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig, tap_layers: tuple[int, ...] = ()) -> None:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig,
+                 spec: SpeculativeConfig | None = None, proposer_factory=None) -> None:
+        """``proposer_factory`` names the target layers to tap and ``build(model) -> Proposer``s once
+        the target exists (the drafter shares the target's embedding and lm_head)."""
         self.config = config
         self.device = torch.device(config.device)
         self.model_config = mc = loaded.config
+        self.max_positions = config.max_model_len + 64  # RoPE covers every reachable position, drafts included
+        self.spec = spec
+        self.proposer: Proposer | None = None
+        tap_layers: tuple[int, ...] = ()
+        if proposer_factory is not None:
+            tap_layers = proposer_factory.tap_layers
         with torch.device(self.device):
-            # RoPE table covers every position a request can reach, drafts included.
-            self.model = LlamaForCausalLM(mc, config.max_model_len + 64, tap_layers).to(config.dtype)
+            self.model = LlamaForCausalLM(mc, self.max_positions, tap_layers).to(config.dtype)
         self.model.load_hf_state_dict(loaded.state_dict)
         self.model.eval()
+        if proposer_factory is not None:
+            self.proposer = proposer_factory.build(self.model)
         self.vocab_size = mc.vocab_size
         self.block_size = config.block_size
-        bytes_per_block = 2 * mc.num_hidden_layers * config.block_size * mc.num_key_value_heads * mc.head_dim
-        bytes_per_block *= torch.empty((), dtype=config.dtype).element_size()
+        elt = torch.empty((), dtype=config.dtype).element_size()
+        bytes_per_block = 2 * mc.num_hidden_layers * config.block_size * mc.num_key_value_heads * mc.head_dim * elt
+        if self.proposer is not None:
+            bytes_per_block += self.proposer.kv_bytes_per_block(config.block_size, config.dtype)
         self.num_kv_blocks = config.num_kv_blocks or max(2, int(config.kv_cache_memory_gb * 2**30 // bytes_per_block))
         # [L, 2 (K, V), num_blocks, block_size, Hkv, D]
         self.kv_caches = torch.zeros(
             mc.num_hidden_layers, 2, self.num_kv_blocks, config.block_size, mc.num_key_value_heads, mc.head_dim,
             dtype=config.dtype, device=self.device,
         )
+        if self.proposer is not None:
+            self.proposer.allocate_cache(self.num_kv_blocks, config.block_size)
+        self.num_spec_tokens = 0
+        if self.proposer is not None:
+            self.num_spec_tokens = spec.num_speculative_tokens or self.proposer.num_slots
         self.backend = TorchAttentionBackend()
         self.sampler = Sampler()
+        self.draft_probs: dict[str, torch.Tensor] = {}  # request id -> [N, V] q of its pending drafts
+
+    def release(self, request_id: str) -> None:
+        self.draft_probs.pop(request_id, None)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _sampling_batch(self, reqs: list[Request], positions: list[int]) -> SamplingBatch:
+        return SamplingBatch.build(
+            [r.params for r in reqs], [r.seed for r in reqs], positions,
+            [r.prompt_token_ids for r in reqs], [r.output_token_ids for r in reqs], self.vocab_size, self.device,
+        )
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> StepResult:
+        t0 = time.perf_counter()
         scheduled = sched.scheduled
+        dev = self.device
         ids: list[int] = []
         starts: list[int] = []
         qsl = [0]
@@ -61,13 +117,11 @@ class ModelRunner:
             r = s.request
             a = r.num_computed_tokens
             b = a + s.num_tokens
-            toks = r.token_ids[a:b] if b <= r.num_tokens else (r.token_ids + r.spec_token_ids)[a:b]
-            ids.extend(toks)
+            ids.extend(r.token_ids[a:b] if b <= r.num_tokens else (r.token_ids + r.spec_token_ids)[a:b])
             starts.append(a)
             qsl.append(qsl[-1] + s.num_tokens)
             seq_lens.append(b)
             tables.append(kv.block_ids(r.request_id))
-        dev = self.device
         q_lens = torch.tensor([s.num_tokens for s in scheduled])
         req_of_row = torch.repeat_interleave(torch.arange(len(scheduled)), q_lens)  # [T]
         positions = torch.tensor(starts)[req_of_row] + torch.arange(qsl[-1]) - torch.tensor(qsl[:-1])[req_of_row]
@@ -76,44 +130,148 @@ class ModelRunner:
         bs = self.block_size
         slot_mapping = block_tables[req_of_row, positions // bs] * bs + positions % bs
         layout = BatchLayout(
-            positions=positions.to(dev),
-            slot_mapping=slot_mapping.to(dev),
-            query_start_loc=qsl,
-            seq_lens=seq_lens,
-            block_tables=block_tables.to(dev),
-            block_size=bs,
+            positions=positions.to(dev), slot_mapping=slot_mapping.to(dev), query_start_loc=qsl,
+            seq_lens=seq_lens, block_tables=block_tables.to(dev), block_size=bs,
         )
         meta = self.backend.prepare(layout)
-        hidden, _ = self.model(torch.tensor(ids, device=dev), layout.positions, self.backend, meta, self.kv_caches)
+        hidden, taps = self.model(torch.tensor(ids, device=dev), layout.positions, self.backend, meta, self.kv_caches)
 
+        result = StepResult({})
         sampling = [(b, s) for b, s in enumerate(scheduled) if s.samples]
-        if not sampling:
-            return StepResult({}, {})
-        rows = torch.tensor([qsl[b + 1] - 1 for b, _ in sampling], device=dev)
-        logits = self.model.compute_logits(hidden[rows])  # [S, V] fp32
-        reqs = [s.request for _, s in sampling]
-        batch = SamplingBatch.build(
-            [r.params for r in reqs],
-            [r.seed for r in reqs],
-            [r.num_tokens for r in reqs],  # the position the new token will take
-            [r.prompt_token_ids for r in reqs],
-            [r.output_token_ids for r in reqs],
-            self.vocab_size,
-            dev,
-        )
-        tokens = self.sampler(logits, batch)
-        new = tokens.tolist()
-        result = StepResult({r.request_id: [t] for r, t in zip(reqs, new)}, {})
-        want = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
-        if want:
-            k = max(reqs[i].params.logprobs for i in want)
-            idx = torch.tensor(want, device=dev)
-            lp, top_ids, top_lp = self.sampler.logprobs(logits[idx], tokens[idx], k)
-            for j, i in enumerate(want):
-                n = reqs[i].params.logprobs
-                result.logprobs[reqs[i].request_id] = [{
-                    "token": new[i],
-                    "logprob": float(lp[j]),
-                    "top": list(zip(top_ids[j, :n].tolist(), top_lp[j, :n].tolist())),
-                }]
+        rejected = [0] * len(scheduled)
+        if sampling:
+            # Rows that decide tokens: the last 1 + n_spec rows of each sampling request.
+            first_row = {b: qsl[b + 1] - 1 - s.num_spec_tokens for b, s in sampling}
+            rows = torch.cat([torch.arange(first_row[b], qsl[b + 1]) for b, _ in sampling]).to(dev)
+            logits = self.model.compute_logits(hidden[rows])  # [sum(1 + n_spec), V] fp32
+            offset, at = {}, 0
+            for b, s in sampling:
+                offset[b] = at
+                at += 1 + s.num_spec_tokens
+            plain = [(b, s) for b, s in sampling if s.num_spec_tokens == 0]
+            if plain:
+                reqs = [s.request for _, s in plain]
+                idx = torch.tensor([offset[b] for b, _ in plain], device=dev)
+                toks = self.sampler(logits[idx], self._sampling_batch(reqs, [r.num_tokens for r in reqs])).tolist()
+                for r, t in zip(reqs, toks):
+                    result.new_tokens[r.request_id] = [t]
+            verifying = [(b, s) for b, s in sampling if s.num_spec_tokens > 0]
+            if verifying:
+                self._verify(verifying, logits, offset, result)
+                for b, s in verifying:
+                    rejected[b] = s.num_spec_tokens - (len(result.new_tokens[s.request.request_id]) - 1)
+            self._logprobs(sampling, logits, offset, result)
+        self._sync()
+        t1 = time.perf_counter()
+        result.verify_time_s = t1 - t0
+
+        if self.proposer is not None:
+            # Committed rows only: prefill rows and, of a verification, the anchor + accepted drafts.
+            keep = torch.cat([torch.arange(qsl[b], qsl[b + 1] - rejected[b]) for b in range(len(scheduled))])
+            if taps is not None and keep.numel():
+                keep = keep.to(dev)
+                self.proposer.write_context(taps[keep], layout.positions[keep], layout.slot_mapping[keep])
+            self._draft(sampling, result, block_tables.to(dev))
+            self._sync()
+            result.draft_time_s = time.perf_counter() - t1
         return result
+
+    # ------------------------------------------------------------------ verification
+    def _verify(self, verifying, logits: torch.Tensor, offset: dict[int, int], result: StepResult) -> None:
+        """Accept/reject each request's drafts against the target rows (anchor + N drafts)."""
+        dev = self.device
+        reqs = [s.request for _, s in verifying]
+        nd = [s.num_spec_tokens for _, s in verifying]
+        N = max(nd)
+        B = len(reqs)
+        V = logits.shape[-1]
+        # [B, N+1, V] target logits, padded rows repeat the request's last row (never read).
+        row_idx = torch.tensor([[offset[b] + min(i, n) for i in range(N + 1)] for (b, _), n in zip(verifying, nd)],
+                               device=dev)
+        tl = logits[row_idx]
+        drafts = torch.tensor([r.spec_token_ids + [0] * (N - len(r.spec_token_ids)) for r in reqs], device=dev)
+        num_drafts = torch.tensor(nd, device=dev)
+        greedy = [r.params.greedy for r in reqs]
+        out = torch.empty(B, N + 1, dtype=torch.long, device=dev)
+        n_out = torch.empty(B, dtype=torch.long, device=dev)
+        gi = [i for i, g in enumerate(greedy) if g]
+        if gi:
+            g = torch.tensor(gi, device=dev)
+            out[g], n_out[g] = verify_greedy(tl[g].argmax(-1), drafts[g], num_drafts[g])
+        pi = [i for i, g in enumerate(greedy) if not g]
+        if pi:
+            p = torch.tensor(pi, device=dev)
+            preqs = [reqs[i] for i in pi]
+            # The target's processed distribution at each verify row; row i decides position num_tokens + i.
+            rows_reqs = [r for r in preqs for _ in range(N + 1)]
+            rows_pos = [r.num_tokens + i for r in preqs for i in range(N + 1)]
+            probs = compute_probs(tl[p].reshape(-1, V), self._sampling_batch(rows_reqs, rows_pos)).view(len(pi), N + 1, V)
+            q = torch.zeros(len(pi), N, V, device=dev)
+            for j, r in enumerate(preqs):
+                qr = self.draft_probs.get(r.request_id)
+                n = len(r.spec_token_ids)
+                if qr is None:  # greedy drafts: each draft is deterministic, q is one-hot
+                    q[j, torch.arange(n, device=dev), drafts[p[j], :n]] = 1.0
+                else:
+                    q[j, :n] = qr[:n]
+            seeds = torch.tensor([r.seed for r in preqs], device=dev)
+            pos = torch.tensor([r.num_tokens for r in preqs], device=dev)
+            out[p], n_out[p] = verify_probabilistic(probs, drafts[p], q, num_drafts[p], seeds, pos,
+                                                     self.spec.rejection_sample_method)
+        out_l, n_l = out.tolist(), n_out.tolist()
+        for j, r in enumerate(reqs):
+            result.new_tokens[r.request_id] = out_l[j][: n_l[j]]
+            result.verified[r.request_id] = (nd[j], n_l[j] - 1)
+            self.draft_probs.pop(r.request_id, None)
+
+    def _logprobs(self, sampling, logits: torch.Tensor, offset: dict[int, int], result: StepResult) -> None:
+        want = [(b, s) for b, s in sampling if s.request.params.logprobs is not None]
+        if not want:
+            return
+        rows, toks, owners = [], [], []
+        for b, s in want:
+            emitted = result.new_tokens[s.request.request_id]
+            for j, t in enumerate(emitted):  # emitted token j was decided by verify row j
+                rows.append(offset[b] + j)
+                toks.append(t)
+                owners.append(s.request)
+        k = max(s.request.params.logprobs for _, s in want)
+        dev = self.device
+        lp, top_ids, top_lp = self.sampler.logprobs(logits[torch.tensor(rows, device=dev)],
+                                                    torch.tensor(toks, device=dev), k)
+        lp, top_ids, top_lp = lp.tolist(), top_ids.tolist(), top_lp.tolist()
+        for i, r in enumerate(owners):
+            n = r.params.logprobs
+            result.logprobs.setdefault(r.request_id, []).append(
+                {"token": toks[i], "logprob": lp[i], "top": list(zip(top_ids[i][:n], top_lp[i][:n]))}
+            )
+
+    # ------------------------------------------------------------------ drafting
+    def _draft(self, sampling, result: StepResult, block_tables: torch.Tensor) -> None:
+        """Draft the next block for every request that emitted tokens this step."""
+        cand = []
+        for b, s in sampling:
+            r = s.request
+            if not spec_eligible(r):
+                continue
+            emitted = result.new_tokens[r.request_id]
+            new_len = r.num_tokens + len(emitted)
+            n = min(self.num_spec_tokens, self.config.max_model_len - new_len,
+                    r.params.max_tokens - (r.num_output_tokens + len(emitted)) - 1)
+            if n > 0:
+                cand.append((b, r, emitted[-1], new_len - 1, n))
+        if not cand:
+            return
+        dev = self.device
+        N = max(c[4] for c in cand)
+        reqs = [c[1] for c in cand]
+        anchors = torch.tensor([c[2] for c in cand], device=dev)
+        anchor_pos = torch.tensor([c[3] for c in cand], device=dev)
+        prob = [self.spec.draft_sample_method == "probabilistic" and not r.params.greedy for r in reqs]
+        batch = self._sampling_batch(reqs, [c[3] + 1 for c in cand])
+        prop = self.proposer.propose(reqs, anchors, anchor_pos, block_tables[[c[0] for c in cand]], N, batch, prob)
+        toks = prop.tokens.tolist()
+        for j, (_, r, _, _, n) in enumerate(cand):
+            result.drafts[r.request_id] = toks[j][:n]
+            if prob[j]:
+                self.draft_probs[r.request_id] = prop.probs[j, :n]

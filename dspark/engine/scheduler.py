@@ -89,10 +89,12 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
+            if req.spec_token_ids and req.num_computed_tokens + num_new < req.num_tokens_with_spec:
+                # Out of budget for all drafts: verify fewer rather than split a verification.
+                del req.spec_token_ids[max(0, req.num_computed_tokens + num_new - req.num_tokens):]
             if not self._make_room(req, num_new, out):
                 continue  # req left the running list; running[i] is now the next request
-            n_spec = max(0, min(len(req.spec_token_ids), req.num_computed_tokens + num_new - req.num_tokens))
-            out.scheduled.append(ScheduledRequest(req, num_new, n_spec))
+            out.scheduled.append(ScheduledRequest(req, num_new, len(req.spec_token_ids)))
             budget -= num_new
             i += 1
 

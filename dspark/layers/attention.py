@@ -45,6 +45,17 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor: ...  # [T, Hq, D]
 
 
+def context_slots(block_tables: torch.Tensor, ctx_lens: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cache slots of positions [0, ctx_len) of each request, padded to the longest with slot 0 (the
+    dummy block). Returns (slots [B, C], valid [B, C] bool). All on block_tables' device."""
+    B = block_tables.shape[0]
+    C = max(int(ctx_lens.max()), 1) if B else 1
+    j = torch.arange(C, device=block_tables.device)
+    blk = block_tables.gather(1, (j // block_size)[None, :].expand(B, -1).clamp(max=block_tables.shape[1] - 1))
+    valid = j[None, :] < ctx_lens.to(block_tables.device)[:, None]
+    return torch.where(valid, blk * block_size + j % block_size, 0), valid
+
+
 @dataclass
 class TorchAttentionMetadata:
     slot_mapping: torch.Tensor  # [T]
@@ -77,10 +88,7 @@ class TorchAttentionBackend:
         mask = j[None, None, :] <= q_pos[:, :, None]  # [B, max_q, max_kv]
         mask &= q_valid[:, :, None]
         mask[:, :, 0] |= ~q_valid  # padding rows attend to one key, so softmax stays finite
-        bt = layout.block_tables.cpu()
-        bs = layout.block_size
-        blk = bt.gather(1, (j // bs)[None, :].expand(B, -1).clamp(max=bt.shape[1] - 1))
-        kv_slots = torch.where(j[None, :] < seq_lens[:, None], blk * bs + j % bs, 0)
+        kv_slots, _ = context_slots(layout.block_tables.cpu(), seq_lens, layout.block_size)
         return TorchAttentionMetadata(
             slot_mapping=layout.slot_mapping,
             q_index=q_index.to(device),

@@ -265,6 +265,7 @@ def build_app(engine_client: EngineClient, served_model_name: str | list[str] | 
     if engine_client.observer is None:
         engine_client.observer = metrics
     created = now()
+    in_flight = [0]  # generation handlers between submit and their last output
     tokenizer = engine_client.tokenizer
     max_model_len = engine_client.max_model_len
 
@@ -353,6 +354,7 @@ def build_app(engine_client: EngineClient, served_model_name: str | list[str] | 
         """KV-cache integrity check (``check_integrity``) and queue sizes, read between engine steps."""
         state = await engine_client.debug_state()
         state["engine_alive"] = engine_client.alive
+        state["http_generations_in_flight"] = in_flight[0]
         return state
 
     # ------------------------------------------------------------------ generation helpers
@@ -382,6 +384,7 @@ def build_app(engine_client: EngineClient, served_model_name: str | list[str] | 
         watcher = asyncio.create_task(_watch_disconnect(request, group.abort))
         first: dict[str, float] = {}
         last: dict[str, float] = {}
+        in_flight[0] += 1
         try:
             async for out in group.outputs():
                 t = time.perf_counter()
@@ -397,6 +400,7 @@ def build_app(engine_client: EngineClient, served_model_name: str | list[str] | 
                     metrics.observe_request(ttft, t - t0, len(out.token_ids))
                 await on_output(out)
         finally:
+            in_flight[0] -= 1
             watcher.cancel()
             group.abort()  # no-op when all finished
 

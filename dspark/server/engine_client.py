@@ -146,8 +146,7 @@ class EngineClient:
         ids = list(request_ids)
 
         def _abort(engine: LLMEngine) -> None:
-            for rid in ids:
-                self._streams.pop(rid, None)
+            for rid in ids:  # the engine reports each abort once; _deliver hands it to its group
                 engine.abort(rid)
 
         self._post(_abort, None)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
@@ -22,6 +22,7 @@ MAX_LOGPROBS = 20
 MAX_N = 64  # choices per prompt (each is one engine request)
 MAX_STOP = 16
 MAX_PROMPTS = 64  # prompts in one /v1/completions batch
+MAX_CHOICES = 256  # prompts x n in one request
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
@@ -121,7 +122,13 @@ class _SamplingFields(OpenAIBaseModel):
 
 
 # ------------------------------------------------------------------ /v1/completions
-PromptType = Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]]]
+TokenIds = Annotated[list[Annotated[int, Field(strict=True, ge=0)]], Field(min_length=1)]
+PromptType = Union[
+    StrictStr,
+    Annotated[list[StrictStr], Field(min_length=1, max_length=MAX_PROMPTS)],
+    TokenIds,
+    Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)],
+]
 
 
 class CompletionRequest(_SamplingFields):
@@ -144,6 +151,9 @@ class CompletionRequest(_SamplingFields):
             out = list(p)  # list[str] or list[list[int]]
         if len(out) > MAX_PROMPTS:
             raise BadRequest(f"at most {MAX_PROMPTS} prompts per request, got {len(out)}", param="prompt")
+        if len(out) * self.num_choices > MAX_CHOICES:
+            raise BadRequest(f"prompts x n must be at most {MAX_CHOICES}, got {len(out)} x {self.num_choices}",
+                             param="n")
         for x in out:
             if (isinstance(x, str) and not x) or (isinstance(x, list) and not x):
                 raise BadRequest("prompt must not be empty", param="prompt")

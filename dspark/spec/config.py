@@ -1,0 +1,59 @@
+"""SpeculativeConfig: vLLM's keys, validated before any work."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from typing import Any
+
+
+class SpeculativeConfigError(ValueError):
+    """The speculative configuration or the drafter checkpoint is unusable; the message says why."""
+
+
+DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
+REJECTION_SAMPLE_METHODS = ("standard", "block")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "dspark"
+    model: str | None = None  # drafter checkpoint dir; None = stored inside the target checkpoint
+    num_speculative_tokens: int | None = None  # None: the drafter's block size
+    draft_sample_method: str = "greedy"
+    rejection_sample_method: str = "standard"
+
+    def __post_init__(self) -> None:
+        if self.method != "dspark":
+            raise SpeculativeConfigError(f"unknown speculative method {self.method!r}: dspark supports 'dspark'")
+        if self.draft_sample_method not in DRAFT_SAMPLE_METHODS:
+            raise SpeculativeConfigError(
+                f"draft_sample_method must be one of {DRAFT_SAMPLE_METHODS}, got {self.draft_sample_method!r}"
+            )
+        if self.rejection_sample_method not in REJECTION_SAMPLE_METHODS:
+            raise SpeculativeConfigError(
+                f"rejection_sample_method must be one of {REJECTION_SAMPLE_METHODS}, got {self.rejection_sample_method!r}"
+            )
+        n = self.num_speculative_tokens
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+            raise SpeculativeConfigError(f"num_speculative_tokens must be an integer >= 1, got {n!r}")
+
+    @classmethod
+    def parse(cls, value: "SpeculativeConfig | dict[str, Any] | str | None") -> "SpeculativeConfig | None":
+        """Accept a SpeculativeConfig, a dict, or a JSON string (as on the command line)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise SpeculativeConfigError(f"speculative config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise SpeculativeConfigError(f"speculative config must be a JSON object, got {type(value).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise SpeculativeConfigError(
+                f"unknown speculative config key(s): {', '.join(unknown)} (known: {', '.join(sorted(known))})"
+            )
+        return cls(**value)

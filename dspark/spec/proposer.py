@@ -1,0 +1,153 @@
+"""Proposers: what drafts the next block. The engine's verification does not care who drafted.
+
+A proposer keeps whatever context it needs from committed target rows (``write_context``), and
+``propose`` returns per request up to N draft tokens, the distribution each was sampled from
+(for probabilistic verification) and the confidence head's output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+import torch
+
+from dspark.engine.request import Request
+from dspark.layers.attention import context_slots
+from dspark.models.dspark_drafter import DSparkDrafter
+from dspark.sample.rng import STREAM_DRAFT
+from dspark.sample.sampler import Sampler, SamplingBatch, compute_probs
+
+
+@dataclass
+class Proposal:
+    tokens: torch.Tensor  # [B, N] int64 drafts (row b valid up to num_drafts[b])
+    probs: torch.Tensor | None  # [B, N, V] f32 draft distributions q (None if every row is greedy)
+    confidence: torch.Tensor | None  # [B, N] f32 c_k (conditional acceptance estimates)
+
+
+class Proposer(Protocol):
+    num_slots: int  # the most drafts one proposal can hold (the drafter's block size)
+    tap_layers: tuple[int, ...]  # target layers whose raw outputs write_context needs
+
+    def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int: ...
+
+    def allocate_cache(self, num_blocks: int, block_size: int) -> None: ...
+
+    def write_context(self, taps: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None: ...
+
+    def propose(self, reqs: list[Request], anchors: torch.Tensor, anchor_pos: torch.Tensor,
+                block_tables: torch.Tensor, num_drafts: int, batch: SamplingBatch,
+                probabilistic: list[bool]) -> Proposal: ...
+
+
+class DSparkProposer:
+    """Drafts with a DSpark drafter; its context K/V lives in the engine's paged cache under the
+    same block ids as the target's, so prefix-cache hits carry the drafter's context too."""
+
+    def __init__(self, drafter: DSparkDrafter) -> None:
+        self.drafter = drafter
+        c = drafter.config
+        self.num_slots = c.block_size
+        self.tap_layers = c.target_layer_ids
+        self.sampler = Sampler()
+        self.kv: torch.Tensor | None = None  # [L_d, 2, num_blocks, block_size, Hkv, D]
+
+    def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        c = self.drafter.config
+        n = c.num_hidden_layers * 2 * block_size * c.num_key_value_heads * c.head_dim
+        return n * torch.empty((), dtype=dtype).element_size()
+
+    def allocate_cache(self, num_blocks: int, block_size: int) -> None:
+        c = self.drafter.config
+        w = self.drafter.fc.weight_t
+        self.block_size = block_size
+        self.kv = torch.zeros(c.num_hidden_layers, 2, num_blocks, block_size, c.num_key_value_heads, c.head_dim,
+                              dtype=w.dtype, device=w.device)
+
+    @torch.inference_mode()
+    def write_context(self, taps: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """Context K/V for committed rows only (taps [R, m·H] at positions [R] -> cache slots [R])."""
+        if taps.shape[0] == 0:
+            return
+        for l, (k, v) in enumerate(self.drafter.context_entries(taps, positions)):
+            self.kv[l, 0].view(-1, *k.shape[1:]).index_copy_(0, slots, k)
+            self.kv[l, 1].view(-1, *v.shape[1:]).index_copy_(0, slots, v)
+
+    @torch.inference_mode()
+    def propose(self, reqs, anchors, anchor_pos, block_tables, num_drafts, batch, probabilistic) -> Proposal:
+        """anchors/anchor_pos [B]: the last emitted token and its position a; the context is every
+        position < a. Draft k (1-based) takes position a + k and is sampled, left to right, from
+        softmax(U_k + W1[x_{k-1}]·W2ᵀ) at the request's temperature/top-k/top-p (argmax for greedy)."""
+        d = self.drafter
+        slots, valid = context_slots(block_tables, anchor_pos, self.block_size)
+        ctx_kv = []
+        for l in range(len(d.layers)):
+            kc, vc = self.kv[l, 0], self.kv[l, 1]
+            ctx_kv.append((kc.view(-1, *kc.shape[2:])[slots], vc.view(-1, *vc.shape[2:])[slots]))
+        h = d.block_hidden(anchors, anchor_pos, ctx_kv, valid, self.num_slots)  # [B, γ, H]
+        U = d.base_logits(h[:, :num_drafts])  # [B, N, V]
+        B = anchors.shape[0]
+        prob_rows = torch.tensor(probabilistic, device=anchors.device)
+        any_prob = bool(prob_rows.any())
+        tokens = torch.empty(B, num_drafts, dtype=torch.long, device=anchors.device)
+        probs = torch.zeros(B, num_drafts, U.shape[-1], device=anchors.device) if any_prob else None
+        conf = torch.empty(B, num_drafts, device=anchors.device) if d.confidence is not None else None
+        prev = anchors
+        for k in range(num_drafts):
+            logits = U[:, k] + d.markov_bias(prev)  # [B, V]
+            if conf is not None:
+                conf[:, k] = torch.sigmoid(d.confidence_logit(h[:, k], prev))
+            tok = logits.argmax(dim=-1)
+            if any_prob:
+                bk = replace(batch, positions=anchor_pos + 1 + k)  # draft k+1 decides position a+k+1
+                q = compute_probs(logits, bk)
+                sampled = self.sampler(logits, bk, stream=STREAM_DRAFT)
+                tok = torch.where(prob_rows, sampled, tok)
+                probs[:, k] = torch.where(prob_rows[:, None], q, 0.0)
+            tokens[:, k] = tok
+            prev = tok
+        return Proposal(tokens, probs, conf)
+
+
+class DSparkProposerFactory:
+    """Validates a drafter checkpoint against the target before any model is built, then builds the
+    proposer once the target exists (the drafter shares its embedding and lm_head)."""
+
+    def __init__(self, spec, target_config, max_positions: int, dtype: torch.dtype, device: str) -> None:
+        import json
+        from pathlib import Path
+
+        from dspark.models.dspark_drafter import DrafterConfig
+        from dspark.spec.config import SpeculativeConfigError
+
+        if spec.model is None:
+            raise SpeculativeConfigError(
+                "speculative config has no 'model': a drafter stored inside the target checkpoint is only "
+                "supported for DeepSeek-V4 (not yet); give the drafter directory"
+            )
+        p = Path(spec.model)
+        if not (p / "config.json").is_file():
+            raise SpeculativeConfigError(f"drafter {spec.model!r}: no config.json there")
+        try:
+            cfg = DrafterConfig.from_dict(json.loads((p / "config.json").read_text()))
+        except json.JSONDecodeError as e:
+            raise SpeculativeConfigError(f"drafter {spec.model!r}: config.json is not valid JSON: {e}") from None
+        cfg.check_target(target_config)
+        n = spec.num_speculative_tokens
+        if n is not None and n > cfg.block_size:
+            raise SpeculativeConfigError(
+                f"num_speculative_tokens {n} is larger than the drafter's block size {cfg.block_size}: "
+                "slots past the block predict nothing"
+            )
+        self.spec, self.cfg, self.target_config = spec, cfg, target_config
+        self.max_positions, self.dtype, self.device = max_positions, dtype, device
+        self.tap_layers = cfg.target_layer_ids
+        self.notes: list[str] = []
+
+    def build(self, model) -> DSparkProposer:
+        from dspark.models.dspark_drafter import load_drafter
+
+        drafter, self.notes = load_drafter(self.spec.model, self.target_config, model.embed_tokens, model.lm_head,
+                                           self.max_positions, self.dtype, torch.device(self.device))
+        return DSparkProposer(drafter)
