@@ -101,6 +101,7 @@ class LLMEngine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._sent: dict[str, tuple[int, int]] = {}  # request id -> (chars, tokens) already reported
         self._seed_rng = random.Random(cfg.seed)
+        self._aborted: list[Request] = []
         self._counter = 0
 
     # ---------------------------------------------------------------- requests
@@ -160,6 +161,7 @@ class LLMEngine:
         req = self.requests.get(request_id)
         if req is not None and not req.is_finished:
             self.scheduler.finish(req, "abort")
+            self._aborted.append(req)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -188,10 +190,9 @@ class LLMEngine:
                     self.scheduler.finish(req, "stop", stop)
                 elif stop is not None:  # finished on a token in the same step; the string came first
                     req.finish_reason, req.stop_reason = "stop", stop
-        # Aborted requests are reported once too.
-        for rid, req in list(self.requests.items()):
-            if req.is_finished:
-                touched.setdefault(rid, req)
+        for req in self._aborted:  # aborted requests are reported once too
+            touched.setdefault(req.request_id, req)
+        self._aborted.clear()
         return [self._output(r) for r in touched.values()]
 
     def _record_spec(self, result) -> None:
