@@ -19,6 +19,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
     p.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
     p.add_argument("--seed", type=int, default=0, help="engine seed for requests without their own")
+    p.add_argument("--speculative-config", default=None,
+                   help='DSpark speculation as JSON, vLLM keys: {"method": "dspark", "model": DRAFTER_DIR, '
+                        '"num_speculative_tokens": N, "draft_sample_method": "greedy"|"probabilistic", '
+                        '"rejection_sample_method": "standard"|"block"}')
 
 
 def _engine_kwargs(a: argparse.Namespace) -> dict:
@@ -28,6 +32,8 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
     )
     if a.max_model_len is not None:
         kw["max_model_len"] = a.max_model_len
+    if a.speculative_config is not None:
+        kw["speculative_config"] = a.speculative_config
     return kw
 
 
@@ -60,6 +66,37 @@ def cmd_generate(a: argparse.Namespace) -> int:
     print(f"[dspark] {s['num_output_tokens']} tokens, finish={final.finish_reason}, "
           f"TTFT {s['time_to_first_token_s'] * 1000:.0f} ms, "
           f"{'%.1f' % tps if tps else 'n/a'} tok/s decode", file=sys.stderr)
+    if engine.spec_config is not None:
+        print(format_spec_stats(engine), file=sys.stderr)
+    return 0
+
+
+def format_spec_stats(engine) -> str:
+    st = engine.spec_stats
+    if not st.num_steps:
+        return "[dspark] speculation: no verification steps"
+    cond = " ".join("-" if c is None else f"{c:.2f}" for c in st.conditional_acceptance)
+    return (f"[dspark] DSpark: tau {st.tau:.2f} tokens/step over {st.num_steps} steps, "
+            f"{st.num_accepted}/{st.num_drafts} drafts accepted; conditional acceptance by position: {cond}; "
+            f"draft {st.draft_time_s * 1000 / st.num_steps:.1f} ms/step, "
+            f"verify {st.verify_time_s * 1000 / st.num_steps:.1f} ms/step")
+
+
+def cmd_init_drafter(a: argparse.Namespace) -> int:
+    """Write a random-weight DSpark drafter for a target (the starting point of training)."""
+    from dspark.config import ModelConfig
+    from dspark.models.dspark_drafter import (DrafterConfig, drafter_config_dict, random_drafter_state_dict,
+                                              write_drafter)
+    from dspark.models.loader import load_model_config
+
+    target = ModelConfig.from_hf(load_model_config(a.model))
+    ids = [int(x) for x in a.target_layer_ids.split(",")] if a.target_layer_ids else None
+    cfg = drafter_config_dict(target, num_hidden_layers=a.num_layers, block_size=a.block_size,
+                              mask_token_id=a.mask_token_id, target_layer_ids=ids, markov_rank=a.markov_rank)
+    DrafterConfig.from_dict(cfg).check_target(target)
+    write_drafter(a.out, cfg, random_drafter_state_dict(DrafterConfig.from_dict(cfg), a.seed))
+    print(f"wrote a random DSpark drafter for {a.model or 'smollm2-135m-instruct'} to {a.out}: "
+          f"{a.num_layers} layers, block {a.block_size}, taps {cfg['target_layer_ids']}, markov rank {a.markov_rank}")
     return 0
 
 
@@ -87,6 +124,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.set_defaults(func=cmd_generate)
 
+    d = sub.add_parser("init-drafter", help="write a random-weight DSpark drafter for a target model")
+    d.add_argument("--model", default=None, help="target model (default: smollm2-135m-instruct)")
+    d.add_argument("--out", required=True, help="output directory")
+    d.add_argument("--num-layers", type=int, default=2)
+    d.add_argument("--block-size", type=int, default=5)
+    d.add_argument("--markov-rank", type=int, default=64)
+    d.add_argument("--mask-token-id", type=int, default=16, help="an unused special token (16 = <empty_output> in SmolLM2)")
+    d.add_argument("--target-layer-ids", default=None, help="comma-separated; default: 3 spread layers")
+    d.add_argument("--seed", type=int, default=0)
+    d.set_defaults(func=cmd_init_drafter)
+
     b = sub.add_parser("bench", help="greedy batch-1 decode tok/s: dspark vs HF transformers, side by side")
     _engine_args(b)
     b.add_argument("--max-tokens", type=int, default=128, help="new tokens per run")
@@ -100,11 +148,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from dspark.models.errors import ModelLoadError
     from dspark.sampling_params import InvalidRequestError
+    from dspark.spec.config import SpeculativeConfigError
 
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ModelLoadError, InvalidRequestError, ValueError) as e:
+    except (ModelLoadError, InvalidRequestError, SpeculativeConfigError, ValueError) as e:
         print(f"dspark: error: {e}", file=sys.stderr)
         return 2
 

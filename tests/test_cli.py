@@ -28,3 +28,18 @@ def test_generate_streams_and_reports_speed():
 def test_generate_unknown_model_is_a_clear_error():
     r = dspark("generate", "--model", "no-such-model", "--device", "cpu")
     assert r.returncode == 2 and "unknown model 'no-such-model'" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
+def test_generate_with_random_drafter_prints_acceptance(tmp_path):
+    r = dspark("init-drafter", "--out", str(tmp_path / "d"), "--num-layers", "1")
+    assert r.returncode == 0, r.stderr
+    r = dspark("generate", "--device", "cpu", "--chat", "Say hi.", "--max-tokens", "8",
+               "--speculative-config", f'{{"model": "{tmp_path / "d"}", "num_speculative_tokens": 3}}')
+    assert r.returncode == 0, r.stderr
+    assert "DSpark: tau" in r.stderr and "conditional acceptance by position" in r.stderr
+
+
+def test_bad_speculative_config_is_a_clear_error():
+    r = dspark("generate", "--device", "cpu", "--speculative-config", '{"method": "eagle"}')
+    assert r.returncode == 2 and "unknown speculative method 'eagle'" in r.stderr

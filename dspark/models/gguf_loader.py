@@ -138,6 +138,12 @@ def load_gguf(
     return cfg, state_dict
 
 
+def load_gguf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Only the HF-style config of a GGUF file (no tensor is read)."""
+    p, reader = _open_reader(path)
+    return _read_config(reader, p, {t.name: t for t in reader.tensors})
+
+
 def load_gguf_tokenizer(path: str | os.PathLike[str], *, use_cache: bool = True) -> PreTrainedTokenizerFast:
     """A transformers fast tokenizer (with the chat template) built from a GGUF file's tokenizer metadata.
 

@@ -48,6 +48,20 @@ def load_model(model: str | None, dtype: torch.dtype, device: str) -> LoadedMode
     return _from_hf_dir(name, path, dtype, device)
 
 
+def load_model_config(model: str | None) -> dict[str, Any]:
+    """Only the HF-style config of a model (no weights)."""
+    from dspark.models import gguf_loader
+
+    name = model or DEFAULT_MODEL
+    if name.lower() == DEFAULT_MODEL or name.endswith(".gguf"):
+        path = gguf_loader.default_gguf_path() if name.lower() == DEFAULT_MODEL else Path(name)
+        return gguf_loader.load_gguf_config(path)
+    p = Path(name) / "config.json"
+    if not p.is_file():
+        raise ModelLoadError(f"unknown model {name!r}: no config.json at {p}")
+    return json.loads(p.read_text())
+
+
 def _from_gguf(name: str, path: Path, dtype: torch.dtype, device: str) -> LoadedModel:
     from dspark.models import gguf_loader
 

@@ -146,7 +146,8 @@ class GuardMiddleware:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_body_bytes:
-                await self._drain(receive, size)
+                if message.get("more_body", False):
+                    await self._drain(receive, size)
                 await self._too_large(size, scope, receive, send)
                 return
             chunks.append(chunk)
@@ -180,6 +181,15 @@ class GuardMiddleware:
 
 
 # ---------------------------------------------------------------------- helpers
+_UNSUPPORTED = {
+    "logit_bias": "logit_bias is not supported (send null or {})",
+    "suffix": "suffix is not supported (send null or '')",
+    "tools": "tools are not supported (send null or [])",
+    "tool_choice": "tool_choice is not supported (send null or 'none')",
+    "response_format": "only response_format {'type': 'text'} is supported",
+}
+
+
 def _validation_message(errors: list[dict]) -> tuple[int, str, str | None]:
     """Turn pydantic/FastAPI errors into (status, message, param)."""
     if not errors:
@@ -198,7 +208,10 @@ def _validation_message(errors: list[dict]) -> tuple[int, str, str | None]:
         loc = [str(x) for x in e.get("loc", ()) if x != "body"]
         where = ".".join(loc) or "body"
         first_param = first_param or (where if loc else None)
-        parts.append(f"{where}: {e.get('msg', 'invalid')}")
+        if loc and loc[0] in _UNSUPPORTED:
+            parts.append(f"{loc[0]}: {_UNSUPPORTED[loc[0]]}")
+        else:
+            parts.append(f"{where}: {e.get('msg', 'invalid')}")
     more = f" (and {len(errors) - 8} more errors)" if len(errors) > 8 else ""
     return 422, "; ".join(parts) + more, first_param
 

@@ -13,7 +13,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictStr
 
 from dspark.sampling_params import InvalidRequestError, SamplingParams
 
@@ -34,8 +34,33 @@ class BadRequest(InvalidRequestError):
         self.param = param
 
 
-def _ffield(default: Any, **kw: Any) -> Any:
-    return Field(default, allow_inf_nan=False, **kw)
+def _json_int(v: Any) -> Any:
+    """JSON integers: ints and integer-valued floats (1.0); never booleans or strings."""
+    if isinstance(v, bool):
+        raise ValueError("Input should be a valid integer, not a boolean")
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    return v
+
+
+def _json_float(v: Any) -> Any:
+    if isinstance(v, bool):
+        raise ValueError("Input should be a valid number, not a boolean")
+    return v
+
+
+def Int(**bounds: Any) -> Any:
+    """A JSON integer with bounds (ge/gt/le) that show up in the OpenAPI schema."""
+    return Annotated[int, Field(strict=True, **bounds), BeforeValidator(_json_int)]
+
+
+def Float(**bounds: Any) -> Any:
+    """A finite JSON number with bounds that show up in the OpenAPI schema."""
+    return Annotated[float, Field(strict=True, allow_inf_nan=False, **bounds), BeforeValidator(_json_float)]
+
+
+JsonInt = Int()
+NonEmptyStr = Annotated[str, Field(strict=True, min_length=1)]
 
 
 class OpenAIBaseModel(BaseModel):
@@ -51,22 +76,23 @@ class _SamplingFields(OpenAIBaseModel):
     """Sampling fields common to completions and chat (OpenAI names, then vLLM extras)."""
 
     model: StrictStr | None = Field(None, description="served model name; omitted = the served model")
-    n: StrictInt | None = Field(1, ge=1, le=MAX_N)
-    temperature: float | None = _ffield(None, ge=0.0, description="0 = greedy; default 1.0")
-    top_p: float | None = _ffield(None, gt=0.0, le=1.0)
-    presence_penalty: float | None = _ffield(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = _ffield(0.0, ge=-2.0, le=2.0)
-    seed: StrictInt | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
-    stop: StrictStr | list[StrictStr] | None = Field(None, description=f"up to {MAX_STOP} stop strings")
+    n: Int(ge=1, le=MAX_N) | None = Field(1)
+    temperature: Float(ge=0.0) | None = Field(None, description="0 = greedy; default 1.0")
+    top_p: Float(gt=0.0, le=1.0) | None = Field(None)
+    presence_penalty: Float(ge=-2.0, le=2.0) | None = Field(0.0)
+    frequency_penalty: Float(ge=-2.0, le=2.0) | None = Field(0.0)
+    seed: Int(ge=SEED_MIN, le=SEED_MAX) | None = Field(None)
+    stop: NonEmptyStr | Annotated[list[NonEmptyStr], Field(max_length=MAX_STOP)] | None = Field(
+        None, description=f"up to {MAX_STOP} stop strings")
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None
-    logit_bias: dict[str, float] | None = Field(None, description="not supported: must be empty or null")
+    logit_bias: dict[str, float] | None = Field(None, max_length=0, description="not supported: empty or null")
     # vLLM extensions
-    top_k: StrictInt | None = Field(None, ge=-1)
-    min_p: float | None = _ffield(None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = _ffield(None, gt=0.0, le=100.0)
-    stop_token_ids: list[StrictInt] | None = Field(None, max_length=256)
+    top_k: Int(ge=-1) | None = Field(None)
+    min_p: Float(ge=0.0, le=1.0) | None = Field(None)
+    repetition_penalty: Float(gt=0.0, le=100.0) | None = Field(None)
+    stop_token_ids: list[Int(ge=0)] | None = Field(None, max_length=256)
     ignore_eos: StrictBool | None = False
     include_stop_str_in_output: StrictBool | None = False
 
@@ -122,10 +148,10 @@ class _SamplingFields(OpenAIBaseModel):
 
 
 # ------------------------------------------------------------------ /v1/completions
-TokenIds = Annotated[list[Annotated[int, Field(strict=True, ge=0)]], Field(min_length=1)]
+TokenIds = Annotated[list[Int(ge=0)], Field(min_length=1)]
 PromptType = Union[
-    StrictStr,
-    Annotated[list[StrictStr], Field(min_length=1, max_length=MAX_PROMPTS)],
+    NonEmptyStr,
+    Annotated[list[NonEmptyStr], Field(min_length=1, max_length=MAX_PROMPTS)],
     TokenIds,
     Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)],
 ]
@@ -133,11 +159,11 @@ PromptType = Union[
 
 class CompletionRequest(_SamplingFields):
     prompt: PromptType = Field(..., description="a string, a list of strings, token ids, or lists of token ids")
-    max_tokens: StrictInt | None = Field(16, ge=1, description="default 16; null = up to the context length")
-    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    max_tokens: Int(ge=1) | None = Field(16, description="default 16; null = up to the context length")
+    logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = Field(None)
     echo: StrictBool | None = False
-    best_of: StrictInt | None = Field(None, ge=1, le=MAX_N, description="only best_of == n is supported")
-    suffix: StrictStr | None = Field(None, description="not supported: must be null")
+    best_of: Int(ge=1, le=MAX_N) | None = Field(None, description="only best_of == n is supported")
+    suffix: StrictStr | None = Field(None, max_length=0, description="not supported: empty or null")
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -172,8 +198,12 @@ class CompletionRequest(_SamplingFields):
 
 # ------------------------------------------------------------------ /v1/chat/completions
 class ContentPart(OpenAIBaseModel):
-    type: StrictStr
-    text: StrictStr | None = None
+    type: Literal["text"] = Field(..., description="only text parts are supported")
+    text: StrictStr
+
+
+class ResponseFormat(OpenAIBaseModel):
+    type: Literal["text"]
 
 
 class ChatMessage(OpenAIBaseModel):
@@ -184,32 +214,21 @@ class ChatMessage(OpenAIBaseModel):
     def text(self, i: int) -> str:
         c = self.content
         if c is None:
-            if self.role == "assistant":
-                return ""
-            raise BadRequest(f"messages[{i}].content is required for role {self.role!r}",
-                                      param=f"messages.{i}.content")
+            return ""
         if isinstance(c, str):
             return c
-        parts = []
-        for j, part in enumerate(c):
-            if part.type != "text" or part.text is None:
-                raise BadRequest(
-                    f"messages[{i}].content[{j}]: only text content parts are supported, got type {part.type!r}",
-                    param=f"messages.{i}.content.{j}",
-                )
-            parts.append(part.text)
-        return "".join(parts)
+        return "".join(part.text for part in c)
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(..., description="the conversation; at least one message")
-    max_tokens: StrictInt | None = Field(None, ge=1, description="deprecated OpenAI name of max_completion_tokens")
-    max_completion_tokens: StrictInt | None = Field(None, ge=1, description="default: up to the context length")
+    messages: list[ChatMessage] = Field(..., min_length=1, description="the conversation; at least one message")
+    max_tokens: Int(ge=1) | None = Field(None, description="deprecated OpenAI name of max_completion_tokens")
+    max_completion_tokens: Int(ge=1) | None = Field(None, description="default: up to the context length")
     logprobs: StrictBool | None = False
-    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[dict[str, Any]] | None = Field(None, description="not supported: must be empty or null")
-    tool_choice: Any = Field(None, description="not supported: must be null or 'none'")
-    response_format: dict[str, Any] | None = Field(None, description="only {'type': 'text'} is supported")
+    top_logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = Field(None)
+    tools: list[dict[str, Any]] | None = Field(None, max_length=0, description="not supported: empty or null")
+    tool_choice: Literal["none"] | None = Field(None, description="not supported: null or 'none'")
+    response_format: ResponseFormat | None = Field(None, description="only {'type': 'text'} is supported")
 
     def conversation(self) -> list[dict[str, str]]:
         if not self.messages:
@@ -218,12 +237,6 @@ class ChatCompletionRequest(_SamplingFields):
 
     def to_sampling_params(self) -> SamplingParams:
         self._check_unsupported()
-        if self.tools:
-            raise BadRequest("tools are not supported", param="tools")
-        if self.tool_choice not in (None, "none"):
-            raise BadRequest("tool_choice is not supported", param="tool_choice")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise BadRequest("only response_format {'type': 'text'} is supported", param="response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise BadRequest("top_logprobs requires logprobs to be true", param="top_logprobs")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -85,7 +85,8 @@ class ServerProcess:
         deadline = time.monotonic() + timeout
         while True:
             s = self.debug_kv()
-            if s["running"] == 0 and s["waiting"] == 0 and s["engine_requests"] == 0 and s["kv_requests"] == 0:
+            if (s["running"] == 0 and s["waiting"] == 0 and s["engine_requests"] == 0 and s["kv_requests"] == 0
+                    and s["streams"] == 0 and s["http_generations_in_flight"] == 0):
                 return s
             if time.monotonic() > deadline:
                 raise AssertionError(f"server still busy after {timeout}s: {s}")

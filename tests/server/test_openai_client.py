@@ -182,8 +182,8 @@ def test_error_shapes(http, client):
     assert_openai_error(post("/v1/chat/completions", b'{"messages": [ {"role": "user", '), 400, words=("JSON",))
     assert_openai_error(post("/v1/completions", b""), 400)
     assert_openai_error(post("/v1/completions", b"[1, 2]"), 422)
-    assert_openai_error(http.post("/v1/chat/completions", json={"messages": []}), 400, param="messages",
-                        words=("messages",))
+    assert_openai_error(http.post("/v1/chat/completions", json={"messages": []}), 422, param="messages",
+                        words=("messages", "at least 1"))
     assert_openai_error(http.post("/v1/chat/completions", json={"messages": "hi"}), 422, param="messages")
     assert_openai_error(http.post("/v1/chat/completions", json={"messages": [{"role": "wizard", "content": "x"}]}),
                         422, words=("role",))
@@ -195,13 +195,13 @@ def test_error_shapes(http, client):
     assert_openai_error(http.post("/v1/completions", json={"prompt": "x", "max_tokens": 0}), 422, param="max_tokens")
     assert_openai_error(http.post("/v1/completions", json={"prompt": "x", "n": 0}), 422, param="n")
     assert_openai_error(http.post("/v1/completions", json={"prompt": "x", "logprobs": 99}), 422, param="logprobs")
-    assert_openai_error(http.post("/v1/completions", json={"prompt": "x", "stop": ""}), 400, param="stop")
+    assert_openai_error(http.post("/v1/completions", json={"prompt": "x", "stop": ""}), 422, param="stop")
     assert_openai_error(http.post("/v1/completions", json={"prompt": [10**9]}), 400, words=("out of range",))
-    assert_openai_error(http.post("/v1/completions", json={"prompt": []}), 400, param="prompt")
+    assert_openai_error(http.post("/v1/completions", json={"prompt": []}), 422, param="prompt")
     assert_openai_error(http.post("/v1/completions", json={"prompt": "x", "model": "gpt-17"}), 404, param="model",
                         words=("gpt-17",))
-    assert_openai_error(http.post("/v1/completions", json={"prompt": "x", "logit_bias": {"1": 5}}), 400,
-                        param="logit_bias")
+    assert_openai_error(http.post("/v1/completions", json={"prompt": "x", "logit_bias": {"1": 5}}), 422,
+                        param="logit_bias", words=("not supported",))
     assert_openai_error(http.get("/v1/nope"), 404)
     assert_openai_error(http.get("/v1/completions"), 405)
     # A prompt longer than the context (2048), and one whose completion does not fit.
@@ -214,8 +214,10 @@ def test_error_shapes(http, client):
     # The official client maps them to its exceptions.
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-17", messages=QUESTION)
-    with pytest.raises(openai.BadRequestError):
+    with pytest.raises(openai.UnprocessableEntityError):
         client.chat.completions.create(model=MODEL, messages=[])
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="hello " * 3000)
     with pytest.raises(openai.UnprocessableEntityError):
         client.completions.create(model=MODEL, prompt="x", temperature=-3)
     # Still serving.
