@@ -209,3 +209,17 @@ def test_markov_head_conditions_on_previous_draft_and_returns_corrected_probs(ta
             prev = out.tokens[:, k]
     assert out.confidence.shape == (2, 4) and ((out.confidence > 0) & (out.confidence < 1)).all()
     del replace
+
+
+def test_stops_inside_an_accepted_run_truncate_it(target, prompts, reference):
+    conts = {tuple(p): r for p, r in zip(prompts, reference)}
+    llm = LLM(str(target), device="cpu", block_size=4, num_kv_blocks=512,
+              speculative_config={"num_speculative_tokens": 5}, proposer_factory=OracleProposer(conts, 5))
+    ref = reference[0]
+    stop_tok = ref[4]  # inside the first accepted run (tokens 1..6)
+    cut = ref.index(stop_tok) + 1
+    out = llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=25, stop_token_ids=[stop_tok]))[0]
+    assert out.token_ids == ref[:cut] and out.finish_reason == "stop"
+    out = llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+    assert out.token_ids == ref[:4] and out.finish_reason == "length"
+    assert llm.engine.kv.check_integrity()["in_use"] == 0
