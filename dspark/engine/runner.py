@@ -26,7 +26,7 @@ from dspark.engine.scheduler import SchedulerOutput
 from dspark.layers.attention import BatchLayout, TorchAttentionBackend
 from dspark.models.llama import LlamaForCausalLM
 from dspark.models.loader import LoadedModel
-from dspark.sample.sampler import Sampler, SamplingBatch, compute_probs
+from dspark.sample.sampler import Sampler, SamplingBatch, as_int64, compute_probs
 from dspark.spec.config import SpeculativeConfig
 from dspark.spec.proposer import Proposer
 from dspark.spec.rejection import verify_greedy, verify_probabilistic
@@ -214,7 +214,7 @@ class ModelRunner:
                     q[j, torch.arange(n, device=dev), drafts[p[j], :n]] = 1.0
                 else:
                     q[j, :n] = qr[:n]
-            seeds = torch.tensor([r.seed for r in preqs], device=dev)
+            seeds = torch.tensor([as_int64(r.seed) for r in preqs], device=dev)
             pos = torch.tensor([r.num_tokens for r in preqs], device=dev)
             out[p], n_out[p] = verify_probabilistic(probs, drafts[p], q, num_drafts[p], seeds, pos,
                                                      self.spec.rejection_sample_method)

@@ -23,7 +23,7 @@ _U64 = 1 << 64
 _I64_MAX = (1 << 63) - 1
 
 
-def _as_int64(seed: int) -> int:
+def as_int64(seed: int) -> int:
     """Reinterpret any Python int as the signed int64 with the same low 64 bits (what a tensor can hold)."""
     s = seed % _U64
     return s - _U64 if s > _I64_MAX else s
@@ -102,7 +102,7 @@ class SamplingBatch:
 
         float_rows = torch.tensor(floats, dtype=torch.float32).to(device)  # [6, B]
         int_rows = torch.tensor(
-            [top_k, [_as_int64(s) for s in seeds], positions], dtype=torch.int64
+            [top_k, [as_int64(s) for s in seeds], positions], dtype=torch.int64
         ).to(device)  # [3, B]
         temperature, top_p_t, min_p_t, repetition, frequency, presence = float_rows.unbind(0)
         top_k_t, seeds_t, positions_t = int_rows.unbind(0)

@@ -15,7 +15,7 @@ import torch
 from dspark.engine.request import Request
 from dspark.layers.attention import context_slots
 from dspark.models.dspark_drafter import DSparkDrafter
-from dspark.sample.rng import STREAM_DRAFT
+from dspark.sample.rng import draft_stream
 from dspark.sample.sampler import Sampler, SamplingBatch, compute_probs
 
 
@@ -78,7 +78,8 @@ class DSparkProposer:
     def propose(self, reqs, anchors, anchor_pos, block_tables, num_drafts, batch, probabilistic) -> Proposal:
         """anchors/anchor_pos [B]: the last emitted token and its position a; the context is every
         position < a. Draft k (1-based) takes position a + k and is sampled, left to right, from
-        softmax(U_k + W1[x_{k-1}]·W2ᵀ) at the request's temperature/top-k/top-p (argmax for greedy)."""
+        softmax(U_k + W1[x_{k-1}]·W2ᵀ) at the request's temperature/top-k/top-p (argmax for greedy),
+        with Gumbel noise gumbel(seed, a + 1, draft_stream(k-1)): keyed per step, see draft_stream."""
         d = self.drafter
         slots, valid = context_slots(block_tables, anchor_pos, self.block_size)
         ctx_kv = []
@@ -94,15 +95,15 @@ class DSparkProposer:
         probs = torch.zeros(B, num_drafts, U.shape[-1], device=anchors.device) if any_prob else None
         conf = torch.empty(B, num_drafts, device=anchors.device) if d.confidence is not None else None
         prev = anchors
+        step_batch = replace(batch, positions=anchor_pos + 1)  # noise keyed per step (see draft_stream)
         for k in range(num_drafts):
             logits = U[:, k] + d.markov_bias(prev)  # [B, V]
             if conf is not None:
                 conf[:, k] = torch.sigmoid(d.confidence_logit(h[:, k], prev))
             tok = logits.argmax(dim=-1)
             if any_prob:
-                bk = replace(batch, positions=anchor_pos + 1 + k)  # draft k+1 decides position a+k+1
-                q = compute_probs(logits, bk)
-                sampled = self.sampler(logits, bk, stream=STREAM_DRAFT)
+                q = compute_probs(logits, step_batch)
+                sampled = self.sampler(logits, step_batch, stream=draft_stream(k))
                 tok = torch.where(prob_rows, sampled, tok)
                 probs[:, k] = torch.where(prob_rows[:, None], q, 0.0)
             tokens[:, k] = tok

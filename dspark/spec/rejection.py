@@ -19,7 +19,12 @@ same result whatever else shares its batch and wherever its row is:
     keyed by the absolute position the token is emitted at.
 
 The draft noise must come from yet another stream (STREAM_DRAFT); sharing a stream with the
-acceptance uniforms biases the output (vLLM shipped that bug).
+acceptance uniforms biases the output (vLLM shipped that bug). Across steps: token-wise verification
+only consults randomness at positions <= the emitted token, so draft noise keyed by draft position is
+fine for it; block verification also inspects drafts and uniforms past τ, and the next step starts at
+positions + τ + 1, so the drafter feeding it must key its noise per step too, or the output is biased
+(tests/spec/test_rejection.py::test_block_consecutive_steps_need_per_step_keys). DSparkProposer does:
+gumbel(seed, position of the step's first draft, draft_stream(slot)).
 """
 
 from __future__ import annotations
