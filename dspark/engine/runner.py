@@ -65,6 +65,7 @@ class ModelRunner:
             tap_layers = proposer_factory.tap_layers
         with torch.device(self.device):
             self.model = LlamaForCausalLM(mc, self.max_positions, tap_layers).to(config.dtype)
+            self.model.lm_head.float()  # fp32 logits (see LlamaForCausalLM.__init__)
         self.model.load_hf_state_dict(loaded.state_dict)
         self.model.eval()
         if proposer_factory is not None:

@@ -208,7 +208,7 @@ class DSparkDrafter(nn.Module):
 
     def base_logits(self, h: torch.Tensor) -> torch.Tensor:
         """[.., H] normed hidden -> [.., V] fp32 logits through the target's lm_head."""
-        return self._target[1](h.reshape(-1, h.shape[-1])).float().view(*h.shape[:-1], -1)
+        return self._target[1](h.reshape(-1, h.shape[-1]).float()).view(*h.shape[:-1], -1)
 
     # ------------------------------------------------------------------ context
     def context_entries(self, taps: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:

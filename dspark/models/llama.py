@@ -81,7 +81,9 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, max_positions)
-        # Its own input-major copy even when tied to the embedding (see layers/linear.py for why).
+        # Its own input-major copy even when tied to the embedding (see layers/linear.py for why), and
+        # always fp32: bf16 logits are spaced 0.125 apart near 20, so greedy argmax would meet exact
+        # ties that any kernel difference flips (verify vs decode, dspark vs HF).
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
 
     def forward(
@@ -104,8 +106,8 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(h), tap
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, H] -> [N, V] float32 logits."""
-        return self.lm_head(hidden).float()
+        """[N, H] -> [N, V] float32 logits (fp32 matmul whatever the model dtype)."""
+        return self.lm_head(hidden.float())
 
     # ---------------------------------------------------------------- weights
     @torch.no_grad()

@@ -210,13 +210,13 @@ class TokenData:
             return cls(f.get_tensor("tokens"), f.get_tensor("loss_mask").bool(), f.get_tensor("offsets"), meta)
 
 
-def build_datasets(model: str | None, train_out: str | Path, heldout_out: str | Path | None, *,
+def build_datasets(model: str | None, train_out: str | Path | None, heldout_out: str | Path | None, *,
                    num_prompts: int, num_heldout_prompts: int, max_tokens: int, max_prompt_tokens: int,
                    device: str | None = None, dtype: str | None = None, time_budget_s: float | None = None,
                    max_num_seqs: int = 256, kv_cache_memory_gb: float = 4.0, seed: int = 0,
                    prompt_source: str | None = None) -> dict[str, Any]:
     """Regenerate responses for held-out prompts (first, so they finish) and training prompts in one
-    engine run; write the two token files. Returns a summary (counts, tokens/s)."""
+    engine run; write the token files that are asked for (a None path is skipped). Returns a summary."""
     from dspark.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(model, device=device, dtype=dtype, max_model_len=max_prompt_tokens + max_tokens,
@@ -224,7 +224,8 @@ def build_datasets(model: str | None, train_out: str | Path, heldout_out: str | 
                        kv_cache_memory_gb=kv_cache_memory_gb, seed=seed)
     ho = chat_prompt_ids(engine, heldout_prompts(num_heldout_prompts, prompt_source), max_prompt_tokens) \
         if heldout_out is not None else []
-    tr = chat_prompt_ids(engine, train_prompts(num_prompts, seed, prompt_source), max_prompt_tokens)
+    tr = chat_prompt_ids(engine, train_prompts(num_prompts, seed, prompt_source), max_prompt_tokens) \
+        if train_out is not None else []
     t0 = time.perf_counter()
     responses = generate_responses(engine, ho + tr, max_tokens, seed, time_budget_s)
     wall = time.perf_counter() - t0
@@ -233,13 +234,12 @@ def build_datasets(model: str | None, train_out: str | Path, heldout_out: str | 
     summary: dict[str, Any] = {"generation_s": wall, "generated_tokens": sum(len(r) for r in responses),
                                "device": engine.config.device, "dtype": str(engine.config.dtype)}
     summary["generated_tokens_per_s"] = summary["generated_tokens"] / wall
-    if heldout_out is not None:
-        held = TokenData.from_sequences(ho, responses[:len(ho)], {**meta, "split": "heldout"})
-        held.save(heldout_out)
-        summary["heldout"] = held.meta
-    data = TokenData.from_sequences(tr, responses[len(ho):], {**meta, "split": "train"})
-    data.save(train_out)
-    summary["train"] = data.meta
+    for split, out, prompts, resp in (("heldout", heldout_out, ho, responses[:len(ho)]),
+                                      ("train", train_out, tr, responses[len(ho):])):
+        if out is not None:
+            data = TokenData.from_sequences(prompts, resp, {**meta, "split": split})
+            data.save(out)
+            summary[split] = data.meta
     return summary
 
 

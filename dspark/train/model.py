@@ -20,12 +20,12 @@ lm_head by reference (they are not drafter parameters).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from dspark.layers.basic import apply_rope, silu_and_mul
 from dspark.models.dspark_drafter import DrafterLayer, DSparkDrafter
 from dspark.models.llama import LlamaForCausalLM
 
@@ -139,8 +139,6 @@ def _block_layer(layer: DrafterLayer, h: torch.Tensor, cos_sin, ctx_k: torch.Ten
     v = v.view(B, Q, layer.num_kv_heads, layer.head_dim)
     if layer.q_norm is not None:
         q, k = layer.q_norm(q), layer.k_norm(k)
-    from dspark.layers.basic import apply_rope
-
     q = apply_rope(q, *cos_sin).view(B, Q, layer.num_heads, layer.head_dim)
     k = apply_rope(k, *cos_sin).view(B, Q, layer.num_kv_heads, layer.head_dim)
     keys = torch.cat([ctx_k, k], dim=1).transpose(1, 2)  # [B, Hkv, S+Q, D]
@@ -240,23 +238,10 @@ def training_forward(target: LlamaForCausalLM, drafter: DSparkDrafter, tokens: t
     h_rows = h.reshape(-1, h.shape[-1])[rows]
     prev = blocks.prev.flatten()[rows]
     draft_logits = drafter.base_logits(h_rows) + drafter.markov_bias(prev)  # [M, V] fp32
-    conf_logits = drafter.confidence_logit(h_rows, prev) if drafter.confidence is not None \
-        else torch.zeros_like(slot, dtype=torch.float32)
+    conf_logits = drafter.confidence_logit(h_rows, prev)  # [M]
     b = block // anchors.shape[1]
     t_rows = b * S + blocks.positions.flatten()[rows]  # the target row predicting x_{p+k}
     with torch.no_grad():
         target_logits = target.compute_logits(hidden.view(B * S, -1)[t_rows])
     return draft_losses(draft_logits, target_logits, conf_logits, blocks.labels.flatten()[rows], slot, block,
                         anchors.numel(), G)
-
-
-def cosine_lr(step: int, total_steps: int, warmup_frac: float) -> float:
-    """Multiplier of the peak lr at ``step`` (0-based): linear warm-up, then cosine to 0."""
-    warm = max(1, round(warmup_frac * total_steps))
-    if step < warm:
-        return (step + 1) / warm
-    t = (step - warm) / max(1, total_steps - warm)
-    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, t)))
-
-
-from dspark.layers.basic import silu_and_mul  # noqa: E402  (kept next to apply_rope's import)

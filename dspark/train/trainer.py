@@ -1,0 +1,305 @@
+"""The training loop of a DSpark drafter (DeepSpec recipe, ../shared/docs/dspark.md §5).
+
+AdamW (no weight decay), peak lr 6e-4, linear warm-up over 4 % of the steps then cosine to 0,
+grad-norm clip 1.0; bf16 autocast on a GPU (the frozen target in bf16, drafter master weights in
+fp32), fp32 on the CPU. Target taps and p_t are recomputed on the fly every step: the target is the
+cheap part (one dense forward of SmolLM2 per batch) while caching its taps would take
+m·H·2 bytes per token (3·576·2 = 3.5 kB: 3.5 GB per million tokens) plus p_t, which cannot be cached
+at all at 49,152 floats per row.
+
+Out directory:
+  train_config.json   every hyper-parameter, the drafter config, data summaries, the command
+  train_log.jsonl     one JSON line per log interval (losses, τ_prob, lr, grad norm) and per eval
+  drafter/            the drafter in DeepSpec format (config.json + ≤16 MiB safetensors shards)
+  trainer_state.pt    fp32 drafter weights, optimizer state, step, RNG: what --resume continues from
+  metrics.json        final held-out τ_prob and losses
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from dspark.models.dspark_drafter import (DrafterConfig, DSparkDrafter, default_target_layer_ids,
+                                          drafter_config_dict)
+from dspark.models.llama import LlamaForCausalLM
+from dspark.train.checkpoint import drafter_state_dict, new_drafter, save_drafter
+from dspark.train.data import TokenData
+from dspark.train.model import LOSS_WEIGHTS, POSITION_DECAY, training_forward
+
+ADAM_BETAS = (0.9, 0.999)
+ADAM_EPS = 1e-8
+
+
+@dataclass
+class TrainConfig:
+    out: str  # output directory
+    data: str  # training token file (dspark.train.data.TokenData)
+    eval_data: str | None = None  # held-out token file for periodic τ_prob
+    model: str | None = None  # target: name, .gguf or HF directory (None: smollm2-135m-instruct)
+    block_size: int = 5  # γ: block slots = drafts per step
+    num_layers: int = 2  # drafter decoder layers
+    markov_rank: int = 64  # r of the Markov head (0: none)
+    target_layer_ids: list[int] | None = None  # taps; None: 3 spread layers (default_target_layer_ids)
+    mask_token_id: int = 16  # SmolLM2's <empty_output>
+    steps: int = 2000  # optimizer steps (an upper bound when time_budget_s is set)
+    time_budget_s: float | None = None  # fit the step count (and the cosine) to this wall time
+    batch_size: int = 8  # sequences per step
+    seq_len: int = 1024  # sequences are cut to their first seq_len tokens
+    anchors_per_seq: int = 128  # K: blocks per sequence per step
+    lr: float = 6e-4
+    warmup_frac: float = 0.04
+    grad_clip: float = 1.0
+    eval_every: int = 200  # steps between held-out evaluations (0: only at the end)
+    eval_seqs: int = 64  # held-out sequences per evaluation
+    save_every: int = 500  # steps between checkpoints (0: only at the end)
+    log_every: int = 10
+    seed: int = 0  # drafter init, batch and anchor sampling
+    device: str = "auto"
+    save_dtype: str = "bfloat16"  # dtype of the exported drafter tensors
+    resume: bool = False  # continue from out/trainer_state.pt
+    extra: dict[str, Any] = field(default_factory=dict)  # recorded as-is (e.g. data generation settings)
+
+
+def cosine_lr(step: int, total_steps: int, warmup_frac: float) -> float:
+    """Multiplier of the peak lr at ``step`` (0-based): linear warm-up, then cosine to 0."""
+    warm = max(1, round(warmup_frac * total_steps))
+    if step < warm:
+        return (step + 1) / warm
+    t = (step - warm) / max(1, total_steps - warm)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, t)))
+
+
+def make_batch(data: TokenData, idx: list[int], seq_len: int, device: torch.device
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequences idx cut to seq_len and right-padded -> (tokens [B, S] int64, loss_mask [B, S] bool)."""
+    seqs = [data.sequence(i) for i in idx]
+    S = min(seq_len, max(t.numel() for t, _ in seqs))
+    tokens = torch.zeros(len(seqs), S, dtype=torch.long)
+    mask = torch.zeros(len(seqs), S, dtype=torch.bool)
+    for b, (t, m) in enumerate(seqs):
+        n = min(S, t.numel())
+        tokens[b, :n], mask[b, :n] = t[:n], m[:n]
+    return tokens.to(device), mask.to(device)
+
+
+def usable_sequences(data: TokenData, seq_len: int) -> list[int]:
+    """Sequences with at least one anchor (p, p+1 both response tokens) inside their first seq_len tokens."""
+    out = []
+    for i in range(len(data)):
+        _, m = data.sequence(i)
+        m = m[:seq_len]
+        if bool((m[:-1] & m[1:]).any()):
+            out.append(i)
+    return out
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, command: list[str] | None = None) -> None:
+        from dspark.engine.llm_engine import resolve_device
+        from dspark.models.loader import load_model
+
+        self.cfg = cfg
+        self.command = command if command is not None else sys.argv
+        self.out = Path(cfg.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.device = torch.device(resolve_device(cfg.device))
+        cuda = self.device.type == "cuda"
+        self.target_dtype = torch.bfloat16 if cuda else torch.float32
+        self.autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else contextlib.nullcontext
+        self.save_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[cfg.save_dtype]
+
+        loaded = load_model(cfg.model, self.target_dtype, str(self.device))
+        mc = loaded.config
+        self.target_name = loaded.name
+        ids = cfg.target_layer_ids or default_target_layer_ids(mc.num_hidden_layers, 3)
+        self.drafter_config = drafter_config_dict(mc, num_hidden_layers=cfg.num_layers, block_size=cfg.block_size,
+                                                  mask_token_id=cfg.mask_token_id, target_layer_ids=ids,
+                                                  markov_rank=cfg.markov_rank)
+        dc = DrafterConfig.from_dict(self.drafter_config)
+        dc.check_target(mc)
+        max_pos = cfg.seq_len + cfg.block_size + 1
+        with torch.device(self.device):
+            self.target = LlamaForCausalLM(mc, max_pos, tuple(dc.target_layer_ids)).to(self.target_dtype)
+        self.target.load_hf_state_dict(loaded.state_dict)
+        del loaded
+        self.target.eval().requires_grad_(False)
+        self.drafter: DSparkDrafter = new_drafter(dc, self.target, max_pos, cfg.seed, self.device)
+        self.params = [p for p in self.drafter.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=ADAM_BETAS, eps=ADAM_EPS, weight_decay=0.0)
+
+        self.data = TokenData.load(cfg.data)
+        self.train_idx = usable_sequences(self.data, cfg.seq_len)
+        if not self.train_idx:
+            raise ValueError(f"{cfg.data}: no sequence has two response tokens within seq_len {cfg.seq_len}")
+        self.eval_data = TokenData.load(cfg.eval_data) if cfg.eval_data else None
+        self.eval_idx = usable_sequences(self.eval_data, cfg.seq_len)[:cfg.eval_seqs] if self.eval_data else []
+        self.step = 0
+        self.total_steps = cfg.steps
+        self.log_path = self.out / "train_log.jsonl"
+
+    # ------------------------------------------------------------------ one step
+    def _step_generator(self, step: int) -> torch.Generator:
+        """Step ``step``'s batch and anchors depend on (seed, step) only: a resumed run sees the same
+        data as an uninterrupted one."""
+        return torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + step)
+
+    def _train_loss(self, step: int):
+        g = self._step_generator(step)
+        pick = torch.randperm(len(self.train_idx), generator=g)[:self.cfg.batch_size].tolist()
+        return self._loss([self.train_idx[i] for i in pick], self.data, g)
+
+    def _loss(self, idx: list[int], data: TokenData, gen: torch.Generator):
+        tokens, mask = make_batch(data, idx, self.cfg.seq_len, self.device)
+        with self.autocast():
+            return training_forward(self.target, self.drafter, tokens, mask, self.cfg.anchors_per_seq, gen)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, Any]:
+        """Held-out losses and τ_prob with fixed anchors (row-weighted means over eval_seqs sequences)."""
+        g = torch.Generator().manual_seed(12345)
+        acc: dict[str, Any] = {}
+        rows = 0
+        bs = self.cfg.batch_size
+        for i in range(0, len(self.eval_idx), bs):
+            out = self._loss(self.eval_idx[i:i + bs], self.eval_data, g)
+            for k, v in out.metrics().items():
+                v = torch.tensor(v) * out.num_rows
+                acc[k] = acc[k] + v if k in acc else v
+            rows += out.num_rows
+        res = {k: (v / rows).tolist() for k, v in acc.items()}
+        res["accept"] = [round(a, 4) for a in res["accept"]]
+        return {"heldout_" + k: v for k, v in res.items()}
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _log(self, rec: dict[str, Any]) -> None:
+        with self.log_path.open("a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+    def save(self) -> None:
+        save_drafter(self.out / "drafter", self.drafter_config, drafter_state_dict(self.drafter), self.save_dtype)
+        state = {"step": self.step, "total_steps": self.total_steps, "drafter": drafter_state_dict(self.drafter),
+                 "optimizer": self.opt.state_dict()}
+        tmp = self.out / "trainer_state.pt.tmp"
+        torch.save(state, tmp)
+        tmp.replace(self.out / "trainer_state.pt")
+
+    def _resume(self) -> None:
+        state = torch.load(self.out / "trainer_state.pt", map_location="cpu", weights_only=True)
+        self.drafter.load_state_dict_deepspec(state["drafter"], self.target.embed_tokens.weight,
+                                              self.target.lm_head.weight_t)
+        self.opt.load_state_dict(state["optimizer"])
+        self.step, self.total_steps = int(state["step"]), int(state["total_steps"])
+
+    def _plan_steps(self, budget_s: float) -> int:
+        """Steps that fit budget_s: times 3 forward/backward passes (after one warm-up, no optimizer
+        step) and budgets each evaluation at half a step per batch."""
+        times = []
+        for i in range(4):
+            self._sync()
+            t = time.perf_counter()
+            self._train_loss(i).total.backward()
+            self.opt.zero_grad(set_to_none=True)
+            self._sync()
+            times.append(time.perf_counter() - t)
+        t_step = sum(times[1:]) / 3
+        eval_cost = math.ceil(len(self.eval_idx) / self.cfg.batch_size) * t_step / 2
+        per_step = t_step + (eval_cost / self.cfg.eval_every if self.cfg.eval_every else 0)
+        left = budget_s - sum(times) - eval_cost  # the final evaluation
+        return max(1, min(self.cfg.steps, int(0.95 * left / per_step)))
+
+    def write_config(self, **extra: Any) -> None:
+        rec = {**asdict(self.cfg), "command": self.command, "target": self.target_name,
+               "drafter_config": self.drafter_config,
+               "drafter_parameters": sum(p.numel() for p in self.params), "device": str(self.device),
+               "target_dtype": str(self.target_dtype), "autocast_bf16": self.device.type == "cuda",
+               "optimizer": {"name": "AdamW", "betas": ADAM_BETAS, "eps": ADAM_EPS, "weight_decay": 0.0},
+               "schedule": "linear warm-up over warmup_frac of the steps, then cosine to 0",
+               "loss_weights": LOSS_WEIGHTS, "position_weights": f"exp(-(k-1)/{POSITION_DECAY:g})",
+               "total_steps": self.total_steps, "train_data": self.data.meta,
+               "train_sequences_used": len(self.train_idx),
+               "eval_data": self.eval_data.meta if self.eval_data else None,
+               "eval_sequences_used": len(self.eval_idx), "torch": torch.__version__, **extra}
+        (self.out / "train_config.json").write_text(json.dumps(rec, indent=2))
+
+    # ------------------------------------------------------------------ loop
+    def _optimizer_step(self) -> tuple[Any, float, float]:
+        """One step at self.step -> (losses, lr, grad norm before clipping)."""
+        lr = self.cfg.lr * cosine_lr(self.step, self.total_steps, self.cfg.warmup_frac)
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        out = self._train_loss(self.step)
+        out.total.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.step += 1
+        return out, lr, float(gnorm)
+
+    def train(self) -> dict[str, Any]:
+        cfg = self.cfg
+        t_start = time.perf_counter()
+        if cfg.resume and (self.out / "trainer_state.pt").is_file():
+            self._resume()
+        else:
+            self.log_path.unlink(missing_ok=True)
+            if cfg.time_budget_s is not None:
+                self.total_steps = self._plan_steps(cfg.time_budget_s)
+        self.write_config()
+        bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step")
+        last: dict[str, Any] = {}
+        stopped_early = False
+        t_log, s_log = time.perf_counter(), self.step
+        try:
+            while self.step < self.total_steps:
+                if cfg.time_budget_s is not None and time.perf_counter() - t_start > cfg.time_budget_s:
+                    stopped_early = True
+                    break
+                out, lr, gnorm = self._optimizer_step()
+                bar.update(1)
+                if self.step % cfg.log_every == 0 or self.step == self.total_steps:
+                    now = time.perf_counter()
+                    last = {"step": self.step, "lr": lr, "grad_norm": gnorm, **out.metrics(),
+                            "s_per_step": (now - t_log) / (self.step - s_log), "elapsed_s": now - t_start}
+                    t_log, s_log = now, self.step
+                    self._log(last)
+                    bar.set_postfix(loss=f"{last['loss']:.3f}", tau=f"{last['tau_prob']:.2f}")
+                if self.eval_idx and cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < self.total_steps:
+                    ev = self.evaluate()
+                    self._log({"step": self.step, **ev})
+                    bar.write(f"step {self.step}: held-out tau_prob {ev['heldout_tau_prob']:.3f} "
+                              f"accept {ev['heldout_accept']}")
+                if cfg.save_every and self.step % cfg.save_every == 0:
+                    self.save()
+        except KeyboardInterrupt:  # keep what was done: --resume continues from here
+            bar.close()
+            self.save()
+            raise
+        bar.close()
+        self.save()
+        final = {"steps": self.step, "total_steps": self.total_steps, "stopped_at_time_budget": stopped_early,
+                 "train_time_s": time.perf_counter() - t_start, "last_train": last,
+                 "drafter_parameters": sum(p.numel() for p in self.params)}
+        if self.eval_idx:
+            final.update(self.evaluate())
+            self._log({"step": self.step, **{k: v for k, v in final.items() if k.startswith("heldout_")}})
+        (self.out / "metrics.json").write_text(json.dumps(final, indent=2))
+        self.write_config(steps_done=self.step)
+        return final
+
+
+def train(cfg: TrainConfig, command: list[str] | None = None) -> dict[str, Any]:
+    return Trainer(cfg, command).train()
