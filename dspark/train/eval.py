@@ -91,13 +91,15 @@ def plot_acceptance(report: dict[str, Any], path: str | Path) -> None:
         ys = [float("nan") if a is None else a for a in r["conditional_acceptance"]]
         tau = "n/a" if r["tau"] is None else f"{r['tau']:.2f}"
         ax.plot(range(1, len(ys) + 1), ys, marker="o", label=f"{name} (τ = {tau})")
+    n = max(len(report[name]["conditional_acceptance"]) for name in TEMPERATURES)
+    ax.set_xticks(range(1, n + 1))
     ax.set_xlabel("draft position k")
     ax.set_ylabel("P(draft k accepted | drafts < k accepted)")
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
     ax.legend()
-    ax.set_title(f"{Path(report['drafter']).name}: {report['num_prompts']} prompts × {report['max_tokens']} tokens",
-                 fontsize=9)
+    name = "/".join(Path(report["drafter"]).parts[-2:])
+    ax.set_title(f"{name}: {report['num_prompts']} prompts × {report['max_tokens']} tokens", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -12,7 +12,8 @@ For a batch of sequences x_0 .. x_{S-1} (prompt + regenerated response, right-pa
      block (``block_attention_mask``) — exactly what the engine does at a step whose anchor sits at p
      (spec/proposer.py; tests/train checks the two agree);
   5. Markov head teacher-forced: slot k's bias uses the true x_{p+k-1} (the anchor for k = 1);
-  6. losses on the rows with a label, softmaxes in fp32 (``draft_losses``).
+  6. losses on the rows with a label (``draft_losses``); lm_head matmuls and softmaxes in fp32, as
+     the engine computes logits.
 
 The target, the embedding and the lm_head are frozen; the drafter uses the target's embedding and
 lm_head by reference (they are not drafter parameters).
@@ -189,8 +190,8 @@ class LossOutput:
     num_rows: int  # labelled slots
 
     def metrics(self) -> dict[str, float | list[float]]:
-        return {"loss": float(self.total), "ce": float(self.ce), "tv": float(self.tv), "conf": float(self.conf),
-                "tau_prob": float(self.tau_prob), "accept": [round(float(a), 4) for a in self.accept]}
+        return {"loss": self.total.item(), "ce": self.ce.item(), "tv": self.tv.item(), "conf": self.conf.item(),
+                "tau_prob": self.tau_prob.item(), "accept": [round(a, 4) for a in self.accept.tolist()]}
 
 
 def draft_losses(draft_logits: torch.Tensor, target_logits: torch.Tensor, conf_logits: torch.Tensor,
@@ -237,11 +238,13 @@ def training_forward(target: LlamaForCausalLM, drafter: DSparkDrafter, tokens: t
     block = rows // G  # b·K + i
     h_rows = h.reshape(-1, h.shape[-1])[rows]
     prev = blocks.prev.flatten()[rows]
-    draft_logits = drafter.base_logits(h_rows) + drafter.markov_bias(prev)  # [M, V] fp32
-    conf_logits = drafter.confidence_logit(h_rows, prev)  # [M]
     b = block // anchors.shape[1]
     t_rows = b * S + blocks.positions.flatten()[rows]  # the target row predicting x_{p+k}
-    with torch.no_grad():
-        target_logits = target.compute_logits(hidden.view(B * S, -1)[t_rows])
+    with torch.autocast(h.device.type, enabled=False):  # fp32 lm_head matmuls, as the engine serves
+        base = drafter.base_logits(h_rows)  # [M, V]
+        with torch.no_grad():
+            target_logits = target.compute_logits(hidden.view(B * S, -1)[t_rows])  # [M, V]
+    draft_logits = base + drafter.markov_bias(prev)  # [M, V] fp32
+    conf_logits = drafter.confidence_logit(h_rows, prev)  # [M]
     return draft_losses(draft_logits, target_logits, conf_logits, blocks.labels.flatten()[rows], slot, block,
                         anchors.numel(), G)

