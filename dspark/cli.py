@@ -109,6 +109,9 @@ def cmd_bench(a: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dspark", description="dspark: LLM inference with DSpark speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
+    from dspark.server.cli import add_serve_parser
+
+    add_serve_parser(sub)
 
     g = sub.add_parser("generate", help="generate text for one prompt or chat message, streaming to the terminal")
     _engine_args(g)
@@ -142,6 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
     b.add_argument("--json", default=None, help="write results to this JSON file")
     b.set_defaults(func=cmd_bench)
+    from dspark.bench.serve import add_bench_serve_parser
+
+    bench_sub = b.add_subparsers(dest="bench_command", required=False, metavar="{serve}")
+    add_bench_serve_parser(bench_sub)
 
     from dspark.train.cli import add_eval_parser, add_train_parser
 

@@ -259,21 +259,24 @@ async def _spec_counters(client: Any) -> dict[str, float]:
 
 
 def _spec_summary(before: dict[str, float], after: dict[str, float]) -> dict[str, Any] | None:
+    """τ and acceptance over the run from the server's counters (see dspark/server/metrics.py)."""
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
-    steps = d.get("dspark:spec_decode_num_steps_total", 0.0)
+    steps = d.get("dspark:spec_decode_num_drafts_total", 0.0)
     if steps <= 0:
         return None
-    emitted = d.get("dspark:spec_decode_num_emitted_tokens_total", 0.0)
-    drafts = d.get("dspark:spec_decode_num_drafts_total", 0.0)
+    drafts = d.get("dspark:spec_decode_num_draft_tokens_total", 0.0)
     accepted = d.get("dspark:spec_decode_num_accepted_tokens_total", 0.0)
-    per_pos = []
+    per_pos, cond = [], []
     k = 0
     while f"dspark:spec_decode_num_accepted_tokens_per_pos_total[{k}]" in d:
-        v = d[f"dspark:spec_decode_num_accepted_tokens_per_pos_total[{k}]"]
-        per_pos.append(v / drafts if drafts else None)
+        a = d[f"dspark:spec_decode_num_accepted_tokens_per_pos_total[{k}]"]
+        r = d.get(f"dspark:spec_decode_num_reached_per_pos_total[{k}]")
+        per_pos.append(a / steps)
+        cond.append(a / r if r else None)
         k += 1
-    return {"tau": emitted / steps, "num_drafts": drafts, "num_accepted_tokens": accepted,
-            "acceptance_rate_per_position": per_pos}
+    return {"tau": 1.0 + accepted / steps, "num_steps": steps, "num_draft_tokens": drafts,
+            "num_accepted_tokens": accepted, "acceptance_rate": accepted / drafts if drafts else None,
+            "acceptance_rate_per_position": per_pos, "conditional_acceptance_per_position": cond}
 
 
 # ---------------------------------------------------------------------- the run
@@ -377,8 +380,11 @@ def format_report(rep: dict[str, Any]) -> str:
     lines.append("{s:{c}^60}".format(s=" Speculative decoding ", c="-"))
     if spec:
         lines.append(f"{'tau (mean tokens per step):':<40}{f(spec['tau'], 3):>20}")
-        rates = ", ".join(f(r, 3) for r in spec["acceptance_rate_per_position"]) or "n/a"
-        lines.append(f"{'Acceptance rate per position:':<40}{rates:>20}")
+        lines.append(f"{'Draft acceptance rate:':<40}{f(spec['acceptance_rate'], 3):>20}")
+        rates = ", ".join(f(r, 2) for r in spec["acceptance_rate_per_position"]) or "n/a"
+        lines.append(f"Accepted per position / steps: {rates}")
+        cond = ", ".join(f(r, 2) for r in spec["conditional_acceptance_per_position"]) or "n/a"
+        lines.append(f"Conditional acceptance by position: {cond}")
     else:
         lines.append(f"{'tau:':<40}{'n/a (not speculating)':>20}")
     if rep["errors"]:

@@ -1,6 +1,6 @@
-"""OpenAI-compatible HTTP server: ``dspark serve`` (see docs/server.md)."""
+"""OpenAI-compatible HTTP server: ``dspark serve`` (see docs/server.md).
 
-from dspark.server.app import build_app
-from dspark.server.engine_client import EngineClient
-
-__all__ = ["build_app", "EngineClient"]
+``dspark.server.app.build_app`` builds the FastAPI app around a ``dspark.server.engine_client.EngineClient``;
+``dspark.server.cli`` holds the ``serve`` subcommand. Nothing heavy is imported here, so that the main CLI
+can register ``serve`` without loading FastAPI.
+"""

@@ -34,6 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from dspark.engine.llm_engine import RequestOutput
 from dspark.sampling_params import InvalidRequestError
 from dspark.server.engine_client import EngineClient, EngineDeadError, GenerationSpec, PromptTooLongError, RequestGroup
+from dspark.server.defaults import DEFAULT_MAX_BODY_BYTES
 from dspark.server.metrics import ServerMetrics
 from dspark.server.protocol import (
     BadRequest,
@@ -58,7 +59,6 @@ from dspark.server.protocol import (
 
 logger = logging.getLogger("dspark.server")
 
-DEFAULT_MAX_BODY_BYTES = 8 * 2**20
 _DRAIN_LIMIT = 64 * 2**20  # an oversized body is read (and dropped) up to this much before the 413
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 _STATUS_TYPE = {400: "invalid_request_error", 401: "invalid_request_error", 403: "invalid_request_error",
@@ -181,6 +181,19 @@ class GuardMiddleware:
 
 
 # ---------------------------------------------------------------------- helpers
+def _all_field_names() -> frozenset[str]:
+    from pydantic import BaseModel
+
+    from dspark.server import protocol
+
+    names: set[str] = set()
+    for obj in vars(protocol).values():
+        if isinstance(obj, type) and issubclass(obj, BaseModel) and obj is not BaseModel:
+            names.update(obj.model_fields)
+    return frozenset(names)
+
+
+_FIELD_NAMES = _all_field_names()
 _UNSUPPORTED = {
     "logit_bias": "logit_bias is not supported (send null or {})",
     "suffix": "suffix is not supported (send null or '')",
@@ -202,18 +215,32 @@ def _validation_message(errors: list[dict]) -> tuple[int, str, str | None]:
     for e in errors:
         if e.get("type") == "missing" and tuple(e.get("loc", ())) == ("body",):
             return 400, "the request body must be a JSON object", None
-    parts = []
+    parts: list[str] = []
     first_param = None
-    for e in errors[:8]:
-        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+    for e in errors:
+        loc = _field_path(e.get("loc", ()))
         where = ".".join(loc) or "body"
         first_param = first_param or (where if loc else None)
         if loc and loc[0] in _UNSUPPORTED:
-            parts.append(f"{loc[0]}: {_UNSUPPORTED[loc[0]]}")
+            part = f"{loc[0]}: {_UNSUPPORTED[loc[0]]}"
         else:
-            parts.append(f"{where}: {e.get('msg', 'invalid')}")
-    more = f" (and {len(errors) - 8} more errors)" if len(errors) > 8 else ""
-    return 422, "; ".join(parts) + more, first_param
+            part = f"{where}: {e.get('msg', 'invalid')}"
+        if part not in parts:
+            parts.append(part)
+    more = f" (and {len(parts) - 8} more errors)" if len(parts) > 8 else ""
+    return 422, "; ".join(parts[:8]) + more, first_param
+
+
+def _field_path(loc: Any) -> list[str]:
+    """The request-field part of a pydantic error location: drops 'body' and union-member tags such as
+    'constrained-str' or 'list[int]', keeping field names and list indices."""
+    out = []
+    for x in loc:
+        if isinstance(x, int):
+            out.append(str(x))
+        elif x != "body" and x in _FIELD_NAMES:
+            out.append(x)
+    return out
 
 
 def _sse(obj: dict | str) -> str:

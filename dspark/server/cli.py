@@ -7,7 +7,6 @@ Wire it into the main CLI with ``add_serve_parser(subparsers)``; it can also run
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -15,11 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dspark.server.app import DEFAULT_MAX_BODY_BYTES
-
-DEFAULT_HOST = "127.0.0.1"
-DEFAULT_PORT = 8000
-DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+from dspark.server.defaults import (DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_HOST, DEFAULT_MAX_BODY_BYTES,
+                                    DEFAULT_PORT)
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -141,14 +137,8 @@ def build_engine(args: argparse.Namespace, log: logging.Logger) -> Any:
     gb = kv_cache_gb(args, device, torch.empty((), dtype=dtype).element_size(), log)
     if gb is not None:
         kw["kv_cache_memory_gb"] = gb
-    if args.speculative_config:
-        try:
-            spec = json.loads(args.speculative_config)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
-        if not isinstance(spec, dict):
-            raise ValueError("--speculative-config must be a JSON object")
-        kw["speculative_config"] = spec
+    if args.speculative_config:  # only when given: the engine validates the JSON and its keys
+        kw["speculative_config"] = args.speculative_config
     if args.enforce_eager:
         log.info("--enforce-eager: dspark runs eagerly already")
     model = args.model or args.model_tag
@@ -158,6 +148,8 @@ def build_engine(args: argparse.Namespace, log: logging.Logger) -> Any:
         if "speculative_config" in kw and "speculative_config" in str(e):
             raise ValueError("this dspark engine does not support --speculative-config yet") from None
         raise
+    for note in getattr(engine, "spec_notes", None) or []:
+        log.info("speculative decoding: %s", note)
     cap = engine.kv.num_usable_blocks * engine.kv.block_size
     if cap < engine.config.max_model_len:
         raise ValueError(
@@ -188,7 +180,8 @@ def run_serve(args: argparse.Namespace) -> int:
         log.warning("binding %s: the server is reachable from other machines%s", args.host,
                     "" if args.api_key else " and has no --api-key")
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                            access_log=not args.disable_uvicorn_access_log, timeout_keep_alive=5)
+                            access_log=not args.disable_uvicorn_access_log, timeout_keep_alive=5,
+                            timeout_graceful_shutdown=5)  # then in-flight streams are cut and aborted
     server = uvicorn.Server(config)
     log.info("serving %s on http://%s:%d/v1", app.state.served_model_names[0], args.host, args.port)
     server.run()

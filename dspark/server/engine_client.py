@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 from dspark.engine.llm_engine import LLMEngine, RequestOutput
 from dspark.sampling_params import InvalidRequestError, SamplingParams
+from dspark.server.metrics import engine_spec_snapshot
 
 logger = logging.getLogger("dspark.server")
 
@@ -92,7 +93,7 @@ class EngineClient:
         self.max_model_len = engine.config.max_model_len
         self.tokenizer = engine.tokenizer
         self.dead: BaseException | None = None
-        self.snapshot: dict[str, float] = {"running": 0, "waiting": 0, "kv_usage": 0.0, "prefix_hit_rate": 0.0}
+        self.snapshot: dict[str, Any] = {"running": 0, "waiting": 0, "kv_usage": 0.0, "prefix_hit_rate": 0.0}
         self._cv = threading.Condition()
         self._cmds: list[tuple[Callable[[LLMEngine], Any], asyncio.Future | None]] = []
         self._stop = False
@@ -237,6 +238,7 @@ class EngineClient:
 
     def _run(self) -> None:
         engine = self.engine
+        self._publish(engine)
         while True:
             with self._cv:
                 while not self._cmds and not self._stop and (self.dead is not None or not self._has_work()):
@@ -308,13 +310,18 @@ class EngineClient:
         self._fail_all(EngineDeadError("the server is shutting down"))
 
     def _publish(self, engine: LLMEngine) -> None:
+        """Numbers /metrics reads at scrape time (one dict swap: safe to read from the event loop)."""
         s = engine.scheduler
-        self.snapshot = {
+        snap: dict[str, Any] = {
             "running": len(s.running),
             "waiting": len(s.waiting),
             "kv_usage": engine.kv.usage,
             "prefix_hit_rate": engine.kv.prefix_hit_rate,
         }
+        spec = engine_spec_snapshot(engine)
+        if spec is not None:
+            snap["spec"] = spec
+        self.snapshot = snap
 
     # ---------------------------------------------------------------- debugging
     async def debug_state(self) -> dict[str, Any]:

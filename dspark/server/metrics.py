@@ -5,16 +5,24 @@ measured on the server from the moment the HTTP request arrived, i.e. what a cli
 network. Counters of tokens and finished requests are fed from the engine thread (prometheus_client
 is thread-safe); gauges are read from the engine thread's last published snapshot at scrape time.
 
-Speculative decoding: when a finished request's ``stats`` carry ``spec_*`` keys, they feed
+Speculative decoding (an engine started with ``--speculative-config`` has ``spec_stats``), in
+dspark's vocabulary (dspark/spec/metrics.py): a verification step checks N drafts, accepts a of them
+and emits a + 1 tokens. Counters, since the engine started (in-flight and aborted requests included):
 
-* ``dspark:spec_decode_num_drafts_total``            drafting rounds (``spec_num_drafts``)
-* ``dspark:spec_decode_num_accepted_tokens_total``   accepted draft tokens (``spec_num_accepted``)
-* ``dspark:spec_decode_num_accepted_tokens_per_pos_total{position}``  (``spec_accepted_per_position``)
-* ``dspark:spec_decode_num_emitted_tokens_total`` and ``dspark:spec_decode_num_steps_total``: output
-  tokens of speculating requests and their verification steps (tokens / ``spec_tau``), so that
-  τ = emitted / steps over any window (``dspark bench serve`` uses the deltas)
-* ``dspark:spec_decode_mean_acceptance_length`` (τ, since start) and
-  ``dspark:spec_decode_acceptance_rate_per_pos{position}`` (accepted at k / drafting rounds).
+* ``dspark:spec_decode_num_drafts_total``             verification steps (vLLM: drafting rounds)
+* ``dspark:spec_decode_num_draft_tokens_total``       draft tokens verified
+* ``dspark:spec_decode_num_accepted_tokens_total``    draft tokens accepted
+* ``dspark:spec_decode_num_accepted_tokens_per_pos_total{position}``  accepted at draft position k
+* ``dspark:spec_decode_num_reached_per_pos_total{position}``  steps that verified position k with all
+  earlier drafts accepted
+* ``dspark:spec_decode_draft_seconds_total``, ``dspark:spec_decode_verify_seconds_total``
+
+Gauges: ``dspark:spec_decode_mean_acceptance_length`` (τ = (accepted + steps) / steps),
+``dspark:spec_decode_acceptance_rate`` (accepted / draft tokens),
+``dspark:spec_decode_acceptance_rate_per_pos{position}`` (accepted at k / steps, as vLLM) and
+``dspark:spec_decode_conditional_acceptance_per_pos{position}`` (accepted at k / reached k).
+Over a window τ = 1 + Δaccepted / Δsteps, which is what ``dspark bench serve`` reports. An engine
+without ``spec_stats`` whose finished requests carry ``spec_*`` stats is aggregated from those.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ import threading
 from typing import Any, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -36,17 +44,26 @@ KNOWN_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models
 disable_created_metrics()  # no *_created series: they only add noise to a scrape
 
 
+def engine_spec_snapshot(engine: Any) -> dict[str, Any] | None:
+    """The engine's aggregate speculative-decoding counters (called on the engine thread), or None."""
+    st = getattr(engine, "spec_stats", None)
+    if st is None or getattr(engine, "spec_config", None) is None:
+        return None
+    return {"num_steps": st.num_steps, "num_drafts": st.num_drafts, "num_accepted": st.num_accepted,
+            "accepted_at": list(st.accepted_at), "reached": list(getattr(st, "reached", []) or []),
+            "draft_time_s": getattr(st, "draft_time_s", 0.0), "verify_time_s": getattr(st, "verify_time_s", 0.0)}
+
+
 class _EngineStateCollector(Collector):
     def __init__(self, metrics: "ServerMetrics") -> None:
         self.m = metrics
 
-    def collect(self) -> Iterable[GaugeMetricFamily]:
+    def collect(self) -> Iterable[Any]:
         m = self.m
-        labels = ["model_name"]
         snap = m.engine_client.snapshot if m.engine_client is not None else {}
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(name, doc, labels=labels)
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
             g.add_metric([m.model_name], float(value))
             return g
 
@@ -58,19 +75,51 @@ class _EngineStateCollector(Collector):
                     snap.get("prefix_hit_rate", 0.0))
         alive = m.engine_client.alive if m.engine_client is not None else False
         yield gauge("dspark:engine_alive", "1 while the engine thread serves requests.", 1.0 if alive else 0.0)
-        with m._lock:
-            tau = m.tau()
-            rates = m.acceptance_rates()
-        if tau is not None:
-            yield gauge("dspark:spec_decode_mean_acceptance_length",
-                        "tau: mean tokens emitted per verification step of speculating requests.", tau)
-        if rates:
-            g = GaugeMetricFamily("dspark:spec_decode_acceptance_rate_per_pos",
-                                  "Fraction of drafting rounds whose draft at this position was accepted.",
-                                  labels=["model_name", "position"])
-            for k, r in enumerate(rates):
-                g.add_metric([m.model_name, str(k)], r)
-            yield g
+        spec = m.spec_snapshot()
+        if spec is not None:
+            yield from _spec_families(m.model_name, spec)
+
+
+def _spec_families(model: str, spec: dict[str, Any]) -> Iterable[Any]:
+    def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+        c = CounterMetricFamily(name, doc, labels=["model_name"])
+        c.add_metric([model], float(value))
+        return c
+
+    def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+        g = GaugeMetricFamily(name, doc, labels=["model_name"])
+        g.add_metric([model], float(value))
+        return g
+
+    def per_pos(cls: Any, name: str, doc: str, values: list[float]) -> Any:
+        f = cls(name, doc, labels=["model_name", "position"])
+        for k, v in enumerate(values):
+            f.add_metric([model, str(k)], float(v))
+        return f
+
+    steps, drafts, acc = spec["num_steps"], spec["num_drafts"], spec["num_accepted"]
+    accepted_at, reached = list(spec.get("accepted_at") or []), list(spec.get("reached") or [])
+    yield counter("dspark:spec_decode_num_drafts", "Verification steps (drafting rounds).", steps)
+    yield counter("dspark:spec_decode_num_draft_tokens", "Draft tokens verified.", drafts)
+    yield counter("dspark:spec_decode_num_accepted_tokens", "Draft tokens accepted.", acc)
+    yield per_pos(CounterMetricFamily, "dspark:spec_decode_num_accepted_tokens_per_pos",
+                  "Draft tokens accepted at each draft position.", accepted_at)
+    if reached:
+        yield per_pos(CounterMetricFamily, "dspark:spec_decode_num_reached_per_pos",
+                      "Steps that verified this position with all earlier drafts accepted.", reached)
+    yield counter("dspark:spec_decode_draft_seconds", "Time spent drafting.", spec.get("draft_time_s") or 0.0)
+    yield counter("dspark:spec_decode_verify_seconds", "Time spent verifying.", spec.get("verify_time_s") or 0.0)
+    if steps:
+        yield gauge("dspark:spec_decode_mean_acceptance_length",
+                    "tau: tokens emitted per verification step (accepted drafts + 1).", (acc + steps) / steps)
+        yield per_pos(GaugeMetricFamily, "dspark:spec_decode_acceptance_rate_per_pos",
+                      "Accepted drafts at this position / verification steps.", [a / steps for a in accepted_at])
+    if drafts:
+        yield gauge("dspark:spec_decode_acceptance_rate", "Accepted draft tokens / draft tokens.", acc / drafts)
+    if reached:
+        yield per_pos(GaugeMetricFamily, "dspark:spec_decode_conditional_acceptance_per_pos",
+                      "P(draft at this position accepted | all earlier drafts accepted).",
+                      [a / r if r else 0.0 for a, r in zip(accepted_at, reached)])
 
 
 class ServerMetrics:
@@ -96,23 +145,8 @@ class ServerMetrics:
                              buckets=TOKEN_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("dspark:e2e_request_latency_seconds", "End-to-end request latency.", ml,
                              buckets=LATENCY_BUCKETS, registry=r)
-        self.spec_drafts = Counter("dspark:spec_decode_num_drafts", "Drafting rounds (speculative decoding).",
-                                   ml, registry=r)
-        self.spec_accepted = Counter("dspark:spec_decode_num_accepted_tokens", "Accepted draft tokens.", ml,
-                                     registry=r)
-        self.spec_accepted_pos = Counter("dspark:spec_decode_num_accepted_tokens_per_pos",
-                                         "Accepted draft tokens by draft position.", ["model_name", "position"],
-                                         registry=r)
-        self.spec_emitted = Counter("dspark:spec_decode_num_emitted_tokens",
-                                    "Output tokens of requests that speculated.", ml, registry=r)
-        self.spec_steps = Counter("dspark:spec_decode_num_steps",
-                                  "Verification steps of requests that speculated (output tokens / tau).", ml,
-                                  registry=r)
         self._lock = threading.Lock()
-        self._tot_emitted = 0.0
-        self._tot_steps = 0.0
-        self._tot_drafts = 0.0
-        self._tot_pos: list[float] = []
+        self._fallback_spec: dict[str, Any] | None = None  # from finished requests' stats (no engine aggregate)
         self.registry.register(_EngineStateCollector(self))
 
     # ---------------------------------------------------------------- engine thread
@@ -129,50 +163,35 @@ class ServerMetrics:
                 self._spec(o.stats or {})
 
     def _spec(self, stats: dict[str, Any]) -> None:
-        keys = ("spec_tau", "spec_num_drafts", "spec_num_accepted", "spec_accepted_per_position")
-        if not any(stats.get(k) is not None for k in keys):
+        """Fallback for engines without an aggregate ``spec_stats``: sum finished requests' stats."""
+        steps = _num(stats.get("spec_num_steps"))
+        if steps is None:
             return
-        ml = self.model_name
         with self._lock:
-            drafts = _num(stats.get("spec_num_drafts"))
-            if drafts is not None:
-                self.spec_drafts.labels(ml).inc(drafts)
-                self._tot_drafts += drafts
-            acc = _num(stats.get("spec_num_accepted"))
-            if acc is not None:
-                self.spec_accepted.labels(ml).inc(acc)
-            per_pos = stats.get("spec_accepted_per_position")
-            if isinstance(per_pos, dict):
-                per_pos = [per_pos[k] for k in sorted(per_pos, key=lambda x: int(x))]
-            if isinstance(per_pos, (list, tuple)):
-                for k, v in enumerate(per_pos):
-                    v = _num(v)
-                    if v is None:
-                        continue
-                    self.spec_accepted_pos.labels(ml, str(k)).inc(v)
-                    while len(self._tot_pos) <= k:
-                        self._tot_pos.append(0.0)
-                    self._tot_pos[k] += v
-            tau = _num(stats.get("spec_tau"))
-            out_toks = _num(stats.get("num_output_tokens"))
-            steps = None
-            if tau and out_toks:
-                steps = out_toks / tau
-            elif drafts and acc is not None and out_toks:  # tau = 1 + accepted / rounds
-                steps = out_toks / (1.0 + acc / drafts)
-            if steps:
-                self.spec_emitted.labels(ml).inc(out_toks)
-                self.spec_steps.labels(ml).inc(steps)
-                self._tot_emitted += out_toks
-                self._tot_steps += steps
+            agg = self._fallback_spec
+            if agg is None:
+                agg = self._fallback_spec = {"num_steps": 0.0, "num_drafts": 0.0, "num_accepted": 0.0,
+                                             "accepted_at": [], "reached": []}
+            agg["num_steps"] += steps
+            agg["num_drafts"] += _num(stats.get("spec_num_drafts")) or 0.0
+            agg["num_accepted"] += _num(stats.get("spec_num_accepted")) or 0.0
+            for key, src in (("accepted_at", "spec_accepted_per_position"), ("reached", "spec_reached_per_position")):
+                vals = stats.get(src)
+                if isinstance(vals, (list, tuple)):
+                    dst = agg[key]
+                    for k, v in enumerate(vals):
+                        while len(dst) <= k:
+                            dst.append(0.0)
+                        dst[k] += _num(v) or 0.0
 
-    def tau(self) -> float | None:
-        return self._tot_emitted / self._tot_steps if self._tot_steps else None
-
-    def acceptance_rates(self) -> list[float]:
-        if not self._tot_drafts:
-            return []
-        return [v / self._tot_drafts for v in self._tot_pos]
+    def spec_snapshot(self) -> dict[str, Any] | None:
+        snap = self.engine_client.snapshot.get("spec") if self.engine_client is not None else None
+        if snap is not None:
+            return snap
+        with self._lock:
+            if self._fallback_spec is None:
+                return None
+            return {k: (list(v) if isinstance(v, list) else v) for k, v in self._fallback_spec.items()}
 
     # ---------------------------------------------------------------- event loop
     def observe_request(self, ttft: float | None, e2e: float, num_output_tokens: int) -> None:
@@ -191,9 +210,12 @@ class ServerMetrics:
                 h.observe(per)
 
     def observe_http(self, path: str, status: int) -> None:
-        route = path if path in KNOWN_ROUTES or path.startswith("/v1/models/") else "other"
-        if route.startswith("/v1/models/"):
+        if path in KNOWN_ROUTES:
+            route = path
+        elif path.startswith("/v1/models/"):
             route = "/v1/models/{model}"
+        else:
+            route = "other"
         self.http_requests.labels(route, str(status)).inc()
 
     def render(self) -> bytes:

@@ -59,7 +59,6 @@ def Float(**bounds: Any) -> Any:
     return Annotated[float, Field(strict=True, allow_inf_nan=False, **bounds), BeforeValidator(_json_float)]
 
 
-JsonInt = Int()
 NonEmptyStr = Annotated[str, Field(strict=True, min_length=1)]
 
 
