@@ -57,46 +57,67 @@ def context_slots(block_tables: torch.Tensor, ctx_lens: torch.Tensor, block_size
 
 
 @dataclass
+class _Group:
+    """Requests attended together in one SDPA call, padded to the group's longest query and context."""
+
+    rows: torch.Tensor | None  # [n] the group's flat query rows in output order; None: all T rows in order
+    q_index: torch.Tensor  # [b, max_q] flat query row of each padded (request, i); padding -> 0
+    kv_slots: torch.Tensor  # [b, max_kv] cache slot of each context position; padding -> slot 0 (dummy)
+    mask: torch.Tensor | None  # [b, 1, max_q, max_kv] bool, True = may attend; None: all True
+    out_index: torch.Tensor  # [n] row of the padded [b * max_q] output holding each query row
+    uniform: bool  # every request of the group has max_q rows, contiguous: views instead of gathers
+
+
+@dataclass
 class TorchAttentionMetadata:
     slot_mapping: torch.Tensor  # [T]
-    q_index: torch.Tensor  # [B, max_q] flat query row of each padded (request, i); padding -> 0
-    kv_slots: torch.Tensor  # [B, max_kv] cache slot of each context position; padding -> slot 0 (dummy)
-    mask: torch.Tensor  # [B, 1, max_q, max_kv] bool, True = may attend
-    out_index: torch.Tensor  # [T] row of the padded [B * max_q] output holding each query row
-    uniform: bool  # every request has max_q query rows (decode, verify): no padding, views suffice
+    groups: list[_Group]
 
 
 class TorchAttentionBackend:
     """Reference backend: gather each request's context from the paged cache into a padded batch and
-    run one SDPA call per layer with an explicit causal mask. Works on any device."""
+    run SDPA with an explicit causal mask. Works on any device. Decoding rows share one call; a request
+    with several query rows (prefill chunk, verification) among requests with other query lengths gets
+    its own call, so one long prefill does not pad every decode row to its length."""
 
     def prepare(self, layout: BatchLayout) -> TorchAttentionMetadata:
+        qsl = layout.query_start_loc
+        q_lens = [qsl[b + 1] - qsl[b] for b in range(len(layout.seq_lens))]
+        if len(set(q_lens)) == 1:
+            groups = [self._group(layout, list(range(len(q_lens))), whole=True)]
+        else:
+            decode = [b for b, n in enumerate(q_lens) if n == 1]
+            groups = [self._group(layout, decode)] if decode else []
+            groups += [self._group(layout, [b]) for b, n in enumerate(q_lens) if n > 1]
+        return TorchAttentionMetadata(slot_mapping=layout.slot_mapping, groups=groups)
+
+    @staticmethod
+    def _group(layout: BatchLayout, reqs: list[int], whole: bool = False) -> _Group:
         device = layout.positions.device
         qsl = layout.query_start_loc
-        B = len(layout.seq_lens)
-        q_lens = torch.tensor([qsl[b + 1] - qsl[b] for b in range(B)], dtype=torch.int64)
-        seq_lens = torch.tensor(layout.seq_lens, dtype=torch.int64)
+        B = len(reqs)
+        q_lens = torch.tensor([qsl[b + 1] - qsl[b] for b in reqs], dtype=torch.int64)
+        seq_lens = torch.tensor([layout.seq_lens[b] for b in reqs], dtype=torch.int64)
         max_q, max_kv = int(q_lens.max()), int(seq_lens.max())
-        starts = torch.tensor(qsl[:-1], dtype=torch.int64)
+        starts = torch.tensor([qsl[b] for b in reqs], dtype=torch.int64)
         i = torch.arange(max_q)
         q_valid = i[None, :] < q_lens[:, None]  # [B, max_q]
         q_index = torch.where(q_valid, starts[:, None] + i[None, :], 0)
         out_index = (torch.arange(B)[:, None] * max_q + i[None, :])[q_valid]
-        # Query i of request b sits at position seq_len - q_len + i; it sees keys at positions <= it.
-        q_pos = seq_lens[:, None] - q_lens[:, None] + i[None, :]  # [B, max_q]
-        j = torch.arange(max_kv)
-        mask = j[None, None, :] <= q_pos[:, :, None]  # [B, max_q, max_kv]
-        mask &= q_valid[:, :, None]
-        mask[:, :, 0] |= ~q_valid  # padding rows attend to one key, so softmax stays finite
-        kv_slots, _ = context_slots(layout.block_tables.cpu(), seq_lens, layout.block_size)
-        return TorchAttentionMetadata(
-            slot_mapping=layout.slot_mapping,
-            q_index=q_index.to(device),
-            kv_slots=kv_slots.to(device),
-            mask=mask[:, None].to(device),
-            out_index=out_index.to(device),
-            uniform=bool((q_lens == max_q).all()),
-        )
+        mask = None
+        if not (B == 1 and max_q == 1):  # one row decoding attends to every key it has: no mask
+            # Query i of request b sits at position seq_len - q_len + i; it sees keys at positions <= it.
+            q_pos = seq_lens[:, None] - q_lens[:, None] + i[None, :]  # [B, max_q]
+            j = torch.arange(max_kv)
+            mask = j[None, None, :] <= q_pos[:, :, None]  # [B, max_q, max_kv]
+            mask &= q_valid[:, :, None]
+            mask[:, :, 0] |= ~q_valid  # padding rows attend to one key, so softmax stays finite
+            mask = mask[:, None].to(device)
+        tables = layout.block_tables.cpu()[torch.tensor(reqs, dtype=torch.int64)]
+        kv_slots, _ = context_slots(tables, seq_lens, layout.block_size)
+        rows = None if whole else q_index[q_valid].to(device)
+        return _Group(rows=rows, q_index=q_index.to(device), kv_slots=kv_slots.to(device), mask=mask,
+                      out_index=out_index.to(device), uniform=whole and bool((q_lens == max_q).all()))
 
     def forward(self, q, k, v, k_cache, v_cache, meta: TorchAttentionMetadata, scale: float) -> torch.Tensor:
         T, Hq, D = q.shape
@@ -105,12 +126,23 @@ class TorchAttentionBackend:
         vc = v_cache.view(-1, Hkv, D)
         kc.index_copy_(0, meta.slot_mapping, k)
         vc.index_copy_(0, meta.slot_mapping, v)
-        B, max_q = meta.q_index.shape
-        qb = (q.view(B, max_q, Hq, D) if meta.uniform else q[meta.q_index]).transpose(1, 2)  # [B, Hq, max_q, D]
-        kb = kc[meta.kv_slots].transpose(1, 2)  # [B, Hkv, max_kv, D]
-        vb = vc[meta.kv_slots].transpose(1, 2)
+        if len(meta.groups) == 1 and meta.groups[0].rows is None:
+            return self._attend(meta.groups[0], q, kc, vc, scale)
+        out = q.new_empty(T, Hq, D)
+        for g in meta.groups:
+            out[g.rows] = self._attend(g, q, kc, vc, scale)
+        return out
+
+    @staticmethod
+    def _attend(g: _Group, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, scale: float) -> torch.Tensor:
+        """The group's attention output, [its query rows, Hq, D] in row order."""
+        Hq, D = q.shape[1], q.shape[2]
+        B, max_q = g.q_index.shape
+        qb = (q.view(B, max_q, Hq, D) if g.uniform else q[g.q_index]).transpose(1, 2)  # [B, Hq, max_q, D]
+        kb = kc[g.kv_slots].transpose(1, 2)  # [B, Hkv, max_kv, D]
+        vb = vc[g.kv_slots].transpose(1, 2)
         o = F.scaled_dot_product_attention(
-            qb, kb, vb, attn_mask=meta.mask, scale=scale, enable_gqa=Hq != Hkv
+            qb, kb, vb, attn_mask=g.mask, scale=scale, enable_gqa=Hq != kb.shape[1]
         )  # [B, Hq, max_q, D]
         o = o.transpose(1, 2).reshape(B * max_q, Hq, D)
-        return o if meta.uniform else o[meta.out_index]
+        return o if g.uniform else o[g.out_index]

@@ -28,21 +28,20 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)  # [P, D]
         self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        # sin with the first half negated: rotate_half(x) * sin == roll(x, D/2) * sin_signed (exactly)
+        sin = emb.sin()
+        self.register_buffer("sin_signed", torch.cat([-sin[:, : head_dim // 2], sin[:, head_dim // 2:]], -1),
+                             persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's [T, 1, D] cos and sin, gathered once and shared by every layer."""
-        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+        return self.cos[positions].to(dtype)[:, None, :], self.sin_signed[positions].to(dtype)[:, None, :]
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, H, D]; cos/sin: [T, 1, D]."""
-    return x * cos + rotate_half(x) * sin
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE, x: [T, H, D]; cos/sin_signed: [T, 1, D] from RotaryEmbedding.cos_sin.
+    x * cos + rotate_half(x) * sin, written with one roll instead of slice/negate/cat."""
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin_signed
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
