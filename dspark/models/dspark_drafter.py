@@ -159,8 +159,10 @@ class DrafterLayer(nn.Module):
             k = self.k_norm(k)
         return apply_rope(k, *cos_sin), v
 
-    def forward(self, h, cos_sin, ctx_k, ctx_v, ctx_valid) -> torch.Tensor:
-        """h: [B, γ, H] block rows; ctx_k/ctx_v: [B, C, Hkv, D] context entries; ctx_valid: [B, C]."""
+    def forward(self, h, cos_sin, ctx_k, ctx_v, mask) -> torch.Tensor:
+        """h: [B, G, H] block rows; ctx_k/ctx_v: [B, C, Hkv, D] context entries; mask: [B, G or 1, C + G]
+        bool over [context ‖ block rows] (serving: one block, every row sees the same keys; training:
+        several blocks per sequence, each with its own context prefix and block)."""
         B, G, H = h.shape
         x = self.input_layernorm(h).view(B * G, H)
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -173,9 +175,8 @@ class DrafterLayer(nn.Module):
         k = apply_rope(k, *cos_sin).view(B, G, self.num_kv_heads, self.head_dim)
         keys = torch.cat([ctx_k, k], dim=1).transpose(1, 2)  # [B, Hkv, C+γ, D]
         values = torch.cat([ctx_v, v], dim=1).transpose(1, 2)
-        mask = torch.cat([ctx_valid, ctx_valid.new_ones(B, G)], dim=1)[:, None, None, :]  # [B, 1, 1, C+γ]
         o = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys, values, attn_mask=mask, scale=self.head_dim**-0.5,
+            q.transpose(1, 2), keys, values, attn_mask=mask[:, None], scale=self.head_dim**-0.5,
             enable_gqa=self.num_heads != self.num_kv_heads,
         )  # [B, Hq, γ, D]
         h = h + self.o_proj(o.transpose(1, 2).reshape(B * G, self.q_size)).view(B, G, H)
@@ -228,8 +229,9 @@ class DSparkDrafter(nn.Module):
         h = self.embed_tokens(tokens)  # [B, G, H]
         pos = (anchor_pos[:, None] + torch.arange(G, device=anchors.device)[None, :]).reshape(-1)
         cos_sin = self.rope.cos_sin(pos, h.dtype)
+        mask = torch.cat([ctx_valid, ctx_valid.new_ones(B, G)], dim=1)[:, None, :]  # [B, 1, C + G]
         for layer, (k, v) in zip(self.layers, ctx_kv):
-            h = layer(h, cos_sin, k, v, ctx_valid)
+            h = layer(h, cos_sin, k, v, mask)
         return self.norm(h)
 
     def markov_bias(self, prev: torch.Tensor) -> torch.Tensor:

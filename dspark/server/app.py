@@ -452,7 +452,6 @@ def build_app(engine_client: EngineClient, served_model_name: str | list[str] | 
         params = body.to_sampling_params()
         prompts = body.prompts()
         seeds = body.seeds()
-        n = body.num_choices
         req_id = random_id("cmpl")
         specs = []
         for pi, p in enumerate(prompts):

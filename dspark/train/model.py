@@ -26,8 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dspark.layers.basic import apply_rope, silu_and_mul
-from dspark.models.dspark_drafter import DrafterLayer, DSparkDrafter
+from dspark.models.dspark_drafter import DSparkDrafter
 from dspark.models.llama import LlamaForCausalLM
 
 LOSS_WEIGHTS = {"ce": 0.1, "tv": 0.9, "conf": 1.0}
@@ -128,31 +127,6 @@ def block_attention_mask(anchors: torch.Tensor, valid: torch.Tensor, seq_len: in
 
 
 # ------------------------------------------------------------------------------------ drafter
-def _block_layer(layer: DrafterLayer, h: torch.Tensor, cos_sin, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
-                 mask: torch.Tensor) -> torch.Tensor:
-    """DrafterLayer.forward with a per-query mask. h [B, Q, H]; ctx_k/ctx_v [B, S, Hkv, D];
-    mask [B, Q, S + Q]."""
-    B, Q, H = h.shape
-    x = layer.input_layernorm(h).view(B * Q, H)
-    q, k, v = layer.qkv_proj(x).split([layer.q_size, layer.kv_size, layer.kv_size], dim=-1)
-    q = q.view(B * Q, layer.num_heads, layer.head_dim)
-    k = k.view(B * Q, layer.num_kv_heads, layer.head_dim)
-    v = v.view(B, Q, layer.num_kv_heads, layer.head_dim)
-    if layer.q_norm is not None:
-        q, k = layer.q_norm(q), layer.k_norm(k)
-    q = apply_rope(q, *cos_sin).view(B, Q, layer.num_heads, layer.head_dim)
-    k = apply_rope(k, *cos_sin).view(B, Q, layer.num_kv_heads, layer.head_dim)
-    keys = torch.cat([ctx_k, k], dim=1).transpose(1, 2)  # [B, Hkv, S+Q, D]
-    values = torch.cat([ctx_v, v], dim=1).transpose(1, 2)
-    o = F.scaled_dot_product_attention(
-        q.transpose(1, 2), keys, values, attn_mask=mask[:, None], scale=layer.head_dim**-0.5,
-        enable_gqa=layer.num_heads != layer.num_kv_heads,
-    )  # [B, Hq, Q, D]
-    h = h + layer.o_proj(o.transpose(1, 2).reshape(B * Q, layer.q_size)).view(B, Q, H)
-    x = layer.post_attention_layernorm(h)
-    return h + layer.down_proj(silu_and_mul(layer.gate_up_proj(x.view(B * Q, H)))).view(B, Q, H)
-
-
 def drafter_block_hidden(drafter: DSparkDrafter, taps: torch.Tensor, blocks: Blocks) -> torch.Tensor:
     """taps [B, S, m·H] -> final-normed hidden of every block slot [B, K·γ, H] (block-major)."""
     B, S, _ = taps.shape
@@ -164,7 +138,7 @@ def drafter_block_hidden(drafter: DSparkDrafter, taps: torch.Tensor, blocks: Blo
     mask = block_attention_mask(blocks.anchors, blocks.valid, S, G)
     for layer in drafter.layers:
         k, v = layer.context_kv(ctx, ctx_cs)  # [B·S, Hkv, D]
-        h = _block_layer(layer, h, blk_cs, k.view(B, S, *k.shape[1:]), v.view(B, S, *v.shape[1:]), mask)
+        h = layer(h, blk_cs, k.view(B, S, *k.shape[1:]), v.view(B, S, *v.shape[1:]), mask)
     return drafter.norm(h)
 
 

@@ -12,7 +12,6 @@ must be exactly p_1 ⊗ p_2 ⊗ p_3.
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
