@@ -212,20 +212,24 @@ class LLMEngine:
         rid = req.request_id
         sent_chars, sent_toks = self._sent[rid]
         toks = req.output_token_ids
+        visible = len(req.output_text)
+        if req.params.stop and not req.is_finished:
+            # Hold back what could still become the start of a stop string (cut in a later step).
+            visible = max(sent_chars, visible - (max(len(x) for x in req.params.stop) - 1))
         out = RequestOutput(
             request_id=rid,
             prompt=req.prompt,
             prompt_token_ids=req.prompt_token_ids,
-            text=req.output_text,
+            text=req.output_text[:visible],
             token_ids=toks,
-            delta_text=req.output_text[sent_chars:],
+            delta_text=req.output_text[sent_chars:visible],
             delta_token_ids=toks[sent_toks:],
             finished=req.is_finished,
             finish_reason=req.finish_reason,
             stop_reason=req.stop_reason,
             logprobs=req.logprobs,
         )
-        self._sent[rid] = (len(req.output_text), len(toks))
+        self._sent[rid] = (visible, len(toks))
         if req.is_finished:
             if req.stats.finish_time is None:
                 req.stats.finish_time = time.perf_counter()

@@ -99,3 +99,20 @@ def test_abort_frees_blocks_and_others_continue(smollm_llm):
     assert outs[a].finish_reason == "abort" and outs[b].finish_reason == "length"
     assert len(outs[b].token_ids) == 16
     assert engine.kv.check_integrity()["in_use"] == 0
+
+
+def test_streamed_deltas_never_show_part_of_a_stop_string(smollm_llm):
+    engine = smollm_llm.engine
+    ids = chat_ids(smollm_llm, "Write a short poem about the sea.")
+    full = smollm_llm.generate([ids], SamplingParams(**GREEDY, ignore_eos=True))[0].text
+    words = full.split()
+    stop = " ".join(words[len(words) // 2: len(words) // 2 + 2])  # a multi-token stop string
+    rid = engine.add_request(ids, SamplingParams(**GREEDY, ignore_eos=True, stop=[stop]))
+    streamed, final = "", None
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.request_id == rid:
+                streamed += o.delta_text
+                final = o if o.finished else final
+                assert stop not in streamed and streamed == o.text
+    assert final.finish_reason == "stop" and streamed == final.text == full[: full.index(stop)]
