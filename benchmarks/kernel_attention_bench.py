@@ -1,0 +1,260 @@
+"""GPU timing of the Triton attention kernels (dspark/kernels) against the PyTorch paths they replace,
+at SmolLM2-135M's attention shapes (9 query heads, 3 KV heads, head_dim 64), bf16, page size 16.
+
+- Paged attention, decode (1 query row per request) and verification (1 + 5 rows), batch 1 / 8 / 32,
+  context 512 / 1k / 4k: the Triton kernel (key range split as the wrapper picks it, and unsplit),
+  the engine's TorchAttentionBackend (gathers the context from the paged cache, then SDPA; its K/V
+  write included), and SDPA on K/V already dense and contiguous (PyTorch's best case, no paging).
+- Drafter attention, batch 1 / 12, γ = 5 / 7, context 1,000: the shared-tile kernel, the naive
+  one-program-per-(row, head) kernel, and the engine's PyTorch path (gather through the slots,
+  concatenate the block, masked SDPA, as DSparkProposer.propose + DrafterLayer.forward do).
+
+Every path is first checked against the PyTorch reference on the GPU (bf16 inputs, plus one fp32
+case each), and each kernel is captured once in a CUDA graph and replayed after its lengths changed
+in place (the bucket-friendly launch); a failed check stops the run. Times are CUDA-graph replays (triton.testing.
+do_bench_cudagraph: GPU time without launch overhead, as the engine's captured steps would see it),
+median in microseconds. Prints a table; ``--out`` writes the results as JSON.
+
+Usage: python benchmarks/kernel_attention_bench.py --out out/kernel_attention.json [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+HQ, HKV, HEAD_DIM, PAGE = 9, 3, 64, 16  # SmolLM2-135M attention; the engine's default block size
+SCALE = HEAD_DIM**-0.5
+
+
+def paged_inputs(B: int, ctx: int, q_len: int, dtype: torch.dtype, device: str, seed: int = 0) -> dict:
+    """B requests, each with ``ctx`` cached tokens and ``q_len`` new ones, on shuffled blocks."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    seq = ctx + q_len
+    per = -(-seq // PAGE)
+    num_blocks = 1 + B * per
+    ids = torch.randperm(num_blocks - 1, generator=g, device=device) + 1
+    tables = ids[: B * per].view(B, per).long()
+    kc = torch.randn(num_blocks, PAGE, HKV, HEAD_DIM, generator=g, device=device).to(dtype)
+    vc = torch.randn(num_blocks, PAGE, HKV, HEAD_DIM, generator=g, device=device).to(dtype)
+    T = B * q_len
+    positions = (ctx + torch.arange(q_len, device=device)).repeat(B)
+    req = torch.arange(B, device=device).repeat_interleave(q_len)
+    slots = tables[req, positions // PAGE] * PAGE + positions % PAGE
+    return dict(
+        q=torch.randn(T, HQ, HEAD_DIM, generator=g, device=device).to(dtype),
+        k=torch.randn(T, HKV, HEAD_DIM, generator=g, device=device).to(dtype),
+        v=torch.randn(T, HKV, HEAD_DIM, generator=g, device=device).to(dtype),
+        k_cache=kc, v_cache=vc, block_tables=tables, positions=positions, slot_mapping=slots,
+        seq_lens=torch.full((B,), seq, device=device), qsl=torch.arange(B + 1, device=device) * q_len,
+        B=B, ctx=ctx, q_len=q_len,
+    )
+
+
+def drafter_inputs(B: int, gamma: int, ctx: int, dtype: torch.dtype, device: str, seed: int = 0) -> dict:
+    g = torch.Generator(device=device).manual_seed(seed)
+    per = -(-ctx // PAGE)
+    num_blocks = 1 + B * per
+    ids = torch.randperm(num_blocks - 1, generator=g, device=device) + 1
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g, device=device).to(dtype)
+
+    return dict(q=rnd(B, gamma, HQ, HEAD_DIM), k_block=rnd(B, gamma, HKV, HEAD_DIM), v_block=rnd(B, gamma, HKV, HEAD_DIM),
+                k_cache=rnd(num_blocks, PAGE, HKV, HEAD_DIM), v_cache=rnd(num_blocks, PAGE, HKV, HEAD_DIM),
+                block_tables=ids[: B * per].view(B, per).long(), ctx_lens=torch.full((B,), ctx, device=device),
+                scale=SCALE)
+
+
+def time_us(fn) -> tuple[float, str]:
+    """Median GPU time of one call, replayed from a CUDA graph; plain launches if capture fails."""
+    import triton.testing
+
+    try:
+        return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median"), "cuda_graph"
+    except Exception:  # a path that cannot be captured: time it with launches
+        torch.cuda.synchronize()
+        return 1e3 * triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"), "launches"
+
+
+def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
+def check(name: str, err: float, tol: float, checks: list) -> None:
+    checks.append({"check": name, "max_abs_err": err, "tol": tol, "ok": err <= tol})
+    print(f"  check {name}: max |err| {err:.2e} (tol {tol:.0e}) {'ok' if err <= tol else 'FAILED'}")
+    if err > tol:
+        raise SystemExit(f"correctness check failed: {name}")
+
+
+def run_paged(configs, dtype, checks, rows) -> None:
+    from dspark.kernels.paged_attention import paged_attention, paged_attention_ref, write_kv
+    from dspark.layers.attention import BatchLayout, TorchAttentionBackend
+
+    backend = TorchAttentionBackend()
+    for B, ctx, q_len in configs:
+        x = paged_inputs(B, ctx, q_len, dtype, "cuda")
+        write_kv(x["k"], x["v"], x["k_cache"], x["v_cache"], x["slot_mapping"])
+        common = (x["q"], x["k_cache"], x["v_cache"], x["block_tables"], x["seq_lens"], x["qsl"], SCALE)
+        hints = dict(max_query_len=q_len, max_seq_len=ctx + q_len)
+        layout = BatchLayout(positions=x["positions"], slot_mapping=x["slot_mapping"], query_start_loc=x["qsl"].tolist(),
+                             seq_lens=x["seq_lens"].tolist(), block_tables=x["block_tables"], block_size=PAGE)
+        meta = backend.prepare(layout)
+        # Dense K/V [B, Hkv, seq, D] gathered once, outside the timing: SDPA's best case.
+        pos = torch.arange(ctx + q_len, device="cuda")
+        slots = x["block_tables"][:, pos // PAGE] * PAGE + pos % PAGE
+        kd = x["k_cache"].view(-1, HKV, HEAD_DIM)[slots].transpose(1, 2).contiguous()
+        vd = x["v_cache"].view(-1, HKV, HEAD_DIM)[slots].transpose(1, 2).contiguous()
+        qd = x["q"].view(B, q_len, HQ, HEAD_DIM).transpose(1, 2)
+        mask = None if q_len == 1 else (pos[None, :] <= (ctx + torch.arange(q_len, device="cuda"))[:, None])
+
+        ref = paged_attention_ref(*common)
+        label = f"{'decode' if q_len == 1 else f'verify 1+{q_len - 1}'} B={B} ctx={ctx}"
+        print(label)
+        check(f"paged triton vs ref [{label}]", max_err(paged_attention(*common, **hints), ref), 2e-2, checks)
+        check(f"paged triton unsplit vs ref [{label}]", max_err(paged_attention(*common, num_splits=1), ref), 2e-2, checks)
+        check(f"torch backend vs ref [{label}]",
+              max_err(backend.forward(x["q"], x["k"], x["v"], x["k_cache"], x["v_cache"], meta, SCALE), ref), 2e-2, checks)
+        paths = {
+            "triton": lambda: paged_attention(*common, **hints),
+            "triton_unsplit": lambda: paged_attention(*common, num_splits=1),
+            "torch_backend": lambda: backend.forward(x["q"], x["k"], x["v"], x["k_cache"], x["v_cache"], meta, SCALE),
+            "sdpa_dense": lambda: F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=SCALE, enable_gqa=True),
+        }
+        kv_bytes = 2 * B * (ctx + q_len) * HKV * HEAD_DIM * x["k_cache"].element_size()
+        for name, fn in paths.items():
+            us, how = time_us(fn)
+            rows.append({"kernel": "paged", "B": B, "ctx": ctx, "q_len": q_len, "path": name, "us": us,
+                         "kv_GBps": kv_bytes / us / 1e3, "timed_as": how})
+
+
+def run_drafter(configs, dtype, checks, rows) -> None:
+    from dspark.kernels.drafter_attention import drafter_attention, drafter_attention_naive, drafter_attention_ref
+    from dspark.layers.attention import context_slots
+
+    for B, gamma, ctx in configs:
+        x = drafter_inputs(B, gamma, ctx, dtype, "cuda")
+        label = f"drafter B={B} gamma={gamma} ctx={ctx}"
+        print(label)
+        sinks = torch.randn(HQ, device="cuda")
+        for s, tag in ((None, ""), (sinks, " +sink")):
+            ref = drafter_attention_ref(**x, sinks=s)
+            out = drafter_attention(**x, sinks=s, max_ctx_len=ctx)
+            check(f"shared-tile vs ref [{label}{tag}]", max_err(out, ref), 2e-2, checks)
+            check(f"naive vs ref [{label}{tag}]", max_err(drafter_attention_naive(**x, sinks=s), ref), 2e-2, checks)
+        slots, valid = context_slots(x["block_tables"], x["ctx_lens"], PAGE)
+        mask = torch.cat([valid, valid.new_ones(B, gamma)], 1)[:, None, None, :]
+        kc, vc = x["k_cache"].view(-1, HKV, HEAD_DIM), x["v_cache"].view(-1, HKV, HEAD_DIM)
+
+        def engine_path():  # per layer in DSparkProposer.propose + DrafterLayer.forward
+            keys = torch.cat([kc[slots], x["k_block"]], 1).transpose(1, 2)
+            values = torch.cat([vc[slots], x["v_block"]], 1).transpose(1, 2)
+            return F.scaled_dot_product_attention(x["q"].transpose(1, 2), keys, values, attn_mask=mask,
+                                                  scale=SCALE, enable_gqa=True)
+
+        ref = drafter_attention_ref(**x)
+        check(f"engine sdpa path vs ref [{label}]", max_err(engine_path().transpose(1, 2), ref), 2e-2, checks)
+        paths = {
+            "shared_tile": lambda: drafter_attention(**x, max_ctx_len=ctx),
+            "shared_tile_unsplit": lambda: drafter_attention(**x, num_splits=1),
+            "naive": lambda: drafter_attention_naive(**x),
+            "torch_sdpa": engine_path,
+        }
+        for name, fn in paths.items():
+            us, how = time_us(fn)
+            rows.append({"kernel": "drafter", "B": B, "gamma": gamma, "ctx": ctx, "path": name, "us": us, "timed_as": how})
+
+
+def fp32_checks(checks) -> None:
+    """Exact-precision kernels (fp32 inputs, IEEE products) agree with the references tightly."""
+    from dspark.kernels.drafter_attention import drafter_attention, drafter_attention_ref
+    from dspark.kernels.paged_attention import paged_attention, paged_attention_ref
+
+    x = paged_inputs(4, 300, 6, torch.float32, "cuda", seed=1)
+    args = (x["q"], x["k_cache"], x["v_cache"], x["block_tables"], x["seq_lens"], x["qsl"], SCALE)
+    check("paged fp32 vs ref", max_err(paged_attention(*args, max_query_len=6), paged_attention_ref(*args)), 1e-4, checks)
+    y = drafter_inputs(3, 7, 333, torch.float32, "cuda", seed=2)
+    s = torch.randn(HQ, device="cuda")
+    check("drafter fp32 vs ref", max_err(drafter_attention(**y, sinks=s), drafter_attention_ref(**y, sinks=s)), 1e-4, checks)
+
+
+def graph_replay_checks(checks) -> None:
+    """Capture each kernel once in a CUDA graph at a 1k-token bucket, then change the lengths in place
+    (shorter and ragged) and replay: the output follows the new lengths, no re-capture needed."""
+    from dspark.kernels.drafter_attention import drafter_attention, drafter_attention_ref
+    from dspark.kernels.paged_attention import paged_attention, paged_attention_ref
+
+    x = paged_inputs(4, 1000, 6, torch.bfloat16, "cuda", seed=3)
+    args = (x["q"], x["k_cache"], x["v_cache"], x["block_tables"], x["seq_lens"], x["qsl"], SCALE)
+    out = torch.empty_like(x["q"])
+    paged_attention(*args, max_query_len=6, max_seq_len=1006, out=out)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_attention(*args, max_query_len=6, max_seq_len=1006, out=out)
+    x["seq_lens"].copy_(torch.tensor([6, 300, 1006, 47]))
+    graph.replay()
+    check("paged graph replay at new lengths", max_err(out, paged_attention_ref(*args)), 2e-2, checks)
+
+    y = drafter_inputs(4, 5, 1000, torch.bfloat16, "cuda", seed=4)
+    out = torch.empty_like(y["q"])
+    drafter_attention(**y, max_ctx_len=1000, out=out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        drafter_attention(**y, max_ctx_len=1000, out=out)
+    y["ctx_lens"].copy_(torch.tensor([0, 1, 333, 1000]))
+    graph.replay()
+    check("drafter graph replay at new lengths", max_err(out, drafter_attention_ref(**y)), 2e-2, checks)
+
+
+def print_table(rows) -> None:
+    def base_of(r):
+        keys = ("kernel", "B", "ctx", "q_len", "gamma")
+        ref_path = "torch_backend" if r["kernel"] == "paged" else "torch_sdpa"
+        return next(o["us"] for o in rows if o["path"] == ref_path and all(o.get(k) == r.get(k) for k in keys))
+
+    print(f"\n{'case':<34} {'path':<20} {'us':>9} {'vs torch':>9} {'KV GB/s':>9}")
+    for r in rows:
+        case = (f"paged {'decode' if r['q_len'] == 1 else 'verify'} B={r['B']} ctx={r['ctx']}" if r["kernel"] == "paged"
+                else f"drafter B={r['B']} gamma={r['gamma']} ctx={r['ctx']}")
+        bw = f"{r['kv_GBps']:9.0f}" if "kv_GBps" in r else f"{'':>9}"
+        print(f"{case:<34} {r['path']:<20} {r['us']:9.1f} {base_of(r) / r['us']:8.2f}x {bw}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
+    ap.add_argument("--out", type=Path, help="write the results here as JSON")
+    ap.add_argument("--quick", action="store_true", help="fewer shapes (batch 1 and 32, context 1k)")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("kernel_attention_bench needs a CUDA GPU")
+    import triton
+
+    dtype = torch.bfloat16
+    batches, contexts = ((1, 32), (1024,)) if args.quick else ((1, 8, 32), (512, 1024, 4096))
+    paged = [(B, ctx, q_len) for q_len in (1, 6) for B in batches for ctx in contexts]
+    drafter = [(B, gamma, 1000) for B in (1, 12) for gamma in (5, 7)]
+    checks: list = []
+    rows: list = []
+    fp32_checks(checks)
+    graph_replay_checks(checks)
+    run_paged(paged, dtype, checks, rows)
+    run_drafter(drafter, dtype, checks, rows)
+    print_table(rows)
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+           "dtype": "bfloat16", "shapes": {"q_heads": HQ, "kv_heads": HKV, "head_dim": HEAD_DIM, "page": PAGE},
+           "timing": "median us per call; timed_as cuda_graph: CUDA-graph replay (triton.testing.do_bench_cudagraph)",
+           "checks": checks, "results": rows}
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(res, indent=2))
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

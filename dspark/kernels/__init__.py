@@ -1,0 +1,55 @@
+"""Triton kernels for the GPU fast path, each next to the PyTorch reference it must match.
+
+Without CUDA, Triton can run kernels only in its interpreter (numpy), which is how the CPU tests
+check them. The interpreter must be chosen before ``triton`` is first imported (Triton's own library
+functions such as ``tl.sum`` are decorated then), so on a machine without CUDA this package sets
+``TRITON_INTERPRET=1`` if nothing imported triton before it; ``interpreter_ready`` tells whether the
+kernels can run on a CPU in this process.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import torch
+
+if not torch.cuda.is_available() and "triton" not in sys.modules:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton  # noqa: E402  (after the interpreter choice above)
+import triton.language as tl  # noqa: E402
+
+
+def interpreter_ready() -> bool:
+    """Whether Triton kernels run here on CPU tensors: interpreter mode was on when triton was imported."""
+    return type(tl.sum).__name__ == "InterpretedFunction"
+
+
+def _fix_interpreter_scalars() -> None:
+    """Work around triton-lang/triton#9171 (Triton <= 3.6 with numpy >= 2.4): the interpreter keeps
+    scalars as shape-(1,) arrays and turns them into ints with ``int(array)``, which numpy 2.4
+    refuses, so a loop whose bounds are loaded at run time (``range(lo, hi, BLOCK)``) fails. Wrap its
+    tensor patch so ``__index__`` reads the one element. Does nothing where ``int`` still works."""
+    try:
+        int(np.ones(1, dtype=np.int64))
+        return
+    except TypeError:
+        pass
+    from triton.runtime import interpreter
+
+    patch = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch is None or getattr(patch, "dspark_fixed", False):
+        return
+
+    def patched(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched.dspark_fixed = True
+    interpreter._patch_lang_tensor = patched
+
+
+if triton.knobs.runtime.interpret:
+    _fix_interpreter_scalars()

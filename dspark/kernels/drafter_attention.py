@@ -1,0 +1,306 @@
+"""DSpark drafter attention in Triton: the block's γ query rows over [paged context K/V ‖ block K/V].
+
+Semantics (those of ``DSparkDrafter.block_hidden`` / ``DrafterLayer.forward`` in the engine's drafting
+step, see docs dspark.md §1.1): a request's block has γ query rows (``q [B, γ, Hq, D]``, after RoPE);
+its keys and values are its context entries at positions ``[0, ctx_len)`` (``ctx_len`` = the anchor's
+position), read from the drafter's paged cache ``[num_blocks, page, Hkv, D]`` through the target's
+block table, followed by the block's own γ rows (``k_block / v_block [B, γ, Hkv, D]``). The mask is
+``[ctx_valid ‖ ones(γ)]``, the same for every query row: each block row sees the whole context and
+all γ block rows, itself and the rows after it included (bidirectional in the block, no causal part).
+Optionally a per-head attention sink (a learned logit, DeepSeek-V4's drafter) joins the softmax
+denominator only: ``o = Σ_j e^{s_j} v_j / (Σ_j e^{s_j} + e^{sink_h})``.
+
+Why the shared-tile kernel (seed 001's "v2"): every query row of a request attends to the same keys,
+so one program per (request, KV head) stacks all γ × G query rows (G = Hq / Hkv heads sharing the KV
+head: 15 rows for SmolLM2 at γ = 5) into one tile and streams each context K/V tile once, through
+``tl.dot``. The naive kernel (one program per (draft row, query head), seed 001's "v1") rereads the
+whole context γ × Hq times; it is kept only to measure against. Like the paged decode kernel, the loop
+bound comes from each request's ``ctx_len`` at run time and the key range can be split over several
+programs (flash-decoding) when the batch is too small to fill the GPU; the wrappers never read tensor
+values on the host, so a drafting step that uses them can be captured in one CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dspark.kernels.paged_attention import (
+    LOG2E,
+    _online_softmax_step,
+    _store_rows,
+    check_device,
+    combine_splits,
+    default_num_splits,
+    dot_precision,
+    next_pow2,
+)
+from dspark.layers.attention import context_slots
+
+
+@triton.jit
+def _drafter_attention_kernel(
+    q_ptr, kb_ptr, vb_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, sink_ptr,
+    block_tables_ptr, ctx_lens_ptr,
+    qk_scale,
+    stride_qb, stride_qi, stride_qh,
+    stride_kbb, stride_kbi, stride_kbh,
+    stride_vbb, stride_vbi, stride_vbh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_bt,
+    stride_ob, stride_oi, stride_oh, stride_os,
+    stride_lb, stride_li, stride_lh,
+    GAMMA: tl.constexpr, G: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, HAS_SINK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Program (b, kv head, split): all γ × G query rows of request b for that KV head, against slice
+    ``split`` of its context; split 0 also takes the γ block rows."""
+    b = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx_len = tl.load(ctx_lens_ptr + b).to(tl.int64)
+
+    r = tl.arange(0, BLOCK_M)  # tile row r = (block row r // G, head kvh * G + r % G)
+    qi = r // G
+    head = kvh * G + r % G
+    row_ok = r < GAMMA * G
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    q = tl.load(q_ptr + b * stride_qb + qi[:, None] * stride_qi + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, tl.float32)
+    acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
+
+    # The block's own rows: every query row sees all γ of them. Only split 0 takes them (masked
+    # loads elsewhere fetch nothing), so they count once.
+    j = tl.arange(0, BLOCK_G)
+    j_ok = (j < GAMMA) & (split == 0)
+    jd_mask = j_ok[:, None] & d_ok[None, :]
+    kb = tl.load(kb_ptr + b * stride_kbb + j[:, None] * stride_kbi + kvh * stride_kbh + d[None, :], mask=jd_mask, other=0.0)
+    vb = tl.load(vb_ptr + b * stride_vbb + j[:, None] * stride_vbi + kvh * stride_vbh + d[None, :], mask=jd_mask, other=0.0)
+    m_i, l_i, acc = _online_softmax_step(q, kb, vb, j_ok[None, :], m_i, l_i, acc, qk_scale, DOT_PRECISION)
+
+    # The context, positions [0, ctx_len), paged; this program takes slice `split` of it.
+    split_len = ((ctx_len + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, ctx_len)
+    n = tl.arange(0, BLOCK_N)
+    bt_row = block_tables_ptr + b * stride_bt
+    for n0 in range(lo, hi, BLOCK_N):
+        pos = n0 + n
+        kv_ok = pos < hi
+        blk = tl.load(bt_row + pos // PAGE, mask=kv_ok, other=0).to(tl.int64)
+        in_page = pos % PAGE
+        kv_mask = kv_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_cache_ptr + (blk * stride_kb + in_page * stride_kt + kvh * stride_kh)[:, None] + d[None, :],
+                    mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + (blk * stride_vb + in_page * stride_vt + kvh * stride_vh)[:, None] + d[None, :],
+                    mask=kv_mask, other=0.0)
+        m_i, l_i, acc = _online_softmax_step(q, k, v, kv_ok[None, :],
+                                             m_i, l_i, acc, qk_scale, DOT_PRECISION)
+
+    if HAS_SINK and NUM_SPLITS == 1:  # with splits, the combine kernel adds the sink once
+        sink = tl.load(sink_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+    else:
+        sink = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    _store_rows(out_ptr, lse_ptr, b * stride_ob + qi * stride_oi + head * stride_oh + split * stride_os,
+                b * stride_lb + qi * stride_li + head * stride_lh + split, row_ok, d, d_ok,
+                m_i, l_i, acc, sink, NUM_SPLITS)
+
+
+@triton.jit
+def _drafter_attention_naive_kernel(
+    q_ptr, kb_ptr, vb_ptr, k_cache_ptr, v_cache_ptr, out_ptr, sink_ptr,
+    block_tables_ptr, ctx_lens_ptr,
+    qk_scale,
+    stride_qb, stride_qi, stride_qh,
+    stride_kbb, stride_kbi, stride_kbh,
+    stride_vbb, stride_vbi, stride_vbh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_bt,
+    stride_ob, stride_oi, stride_oh,
+    GAMMA: tl.constexpr, G: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINK: tl.constexpr,
+):
+    """Program (b * γ + i, head): one query vector against the whole context and block, on CUDA cores."""
+    b = (tl.program_id(0) // GAMMA).to(tl.int64)
+    i = tl.program_id(0) % GAMMA
+    h = tl.program_id(1)
+    kvh = h // G
+    ctx_len = tl.load(ctx_lens_ptr + b).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    q = tl.load(q_ptr + b * stride_qb + i * stride_qi + h * stride_qh + d, mask=d_ok, other=0.0).to(tl.float32)
+
+    j = tl.arange(0, BLOCK_G)
+    j_ok = j < GAMMA
+    jd_mask = j_ok[:, None] & d_ok[None, :]
+    kb = tl.load(kb_ptr + b * stride_kbb + j[:, None] * stride_kbi + kvh * stride_kbh + d[None, :], mask=jd_mask, other=0.0)
+    vb = tl.load(vb_ptr + b * stride_vbb + j[:, None] * stride_vbi + kvh * stride_vbh + d[None, :], mask=jd_mask, other=0.0)
+    sb = tl.where(j_ok, tl.sum(kb.to(tl.float32) * q[None, :], 1) * qk_scale, float("-inf"))
+    m_i = tl.max(sb, 0)  # finite: γ >= 1 block rows are always visible
+    pb = tl.exp2(sb - m_i)
+    l_i = tl.sum(pb, 0)
+    acc = tl.sum(pb[:, None] * vb.to(tl.float32), 0)
+
+    n = tl.arange(0, BLOCK_N)
+    bt_row = block_tables_ptr + b * stride_bt
+    for n0 in range(0, ctx_len, BLOCK_N):
+        pos = n0 + n
+        kv_ok = pos < ctx_len
+        blk = tl.load(bt_row + pos // PAGE, mask=kv_ok, other=0).to(tl.int64)
+        in_page = pos % PAGE
+        kv_mask = kv_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_cache_ptr + (blk * stride_kb + in_page * stride_kt + kvh * stride_kh)[:, None] + d[None, :],
+                    mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + (blk * stride_vb + in_page * stride_vt + kvh * stride_vh)[:, None] + d[None, :],
+                    mask=kv_mask, other=0.0)
+        s = tl.where(kv_ok, tl.sum(k.to(tl.float32) * q[None, :], 1) * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 0))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new)
+        l_i = l_i * alpha + tl.sum(p, 0)
+        acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), 0)
+        m_i = m_new
+
+    if HAS_SINK:
+        sink = tl.load(sink_ptr + h).to(tl.float32) * 1.4426950408889634
+        m_f = tl.maximum(m_i, sink)
+        l_i = l_i * tl.exp2(m_i - m_f) + tl.exp2(sink - m_f)
+        acc = acc * tl.exp2(m_i - m_f)
+    tl.store(out_ptr + b * stride_ob + i * stride_oi + h * stride_oh + d,
+             (acc / l_i).to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+def _check(q, k_block, v_block, k_cache, v_cache, block_tables, ctx_lens, sinks) -> tuple[int, int, int, int, int]:
+    B, gamma, Hq, D = q.shape
+    _, page, Hkv, Dk = k_cache.shape
+    assert k_cache.shape == v_cache.shape and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
+    assert Dk == D and Hq % Hkv == 0, f"q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)}"
+    assert k_block.shape == v_block.shape == (B, gamma, Hkv, D)
+    assert q.stride(3) == 1 and k_block.stride(3) == 1 and v_block.stride(3) == 1
+    assert block_tables.shape[0] == B and ctx_lens.shape == (B,)
+    assert sinks is None or sinks.shape == (Hq,)
+    check_device(q)
+    return B, gamma, Hq, Hkv, D
+
+
+def _kv_args(k_block, v_block, k_cache, v_cache, block_tables) -> tuple[int, ...]:
+    return (*k_block.stride()[:3], *v_block.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
+            block_tables.stride(0))
+
+
+def drafter_attention(
+    q: torch.Tensor,  # [B, γ, Hq, D] block query rows (after RoPE)
+    k_block: torch.Tensor,  # [B, γ, Hkv, D] the block's own keys
+    v_block: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_blocks, page, Hkv, D] the drafter layer's context cache
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks] the target's block ids (the drafter shares them)
+    ctx_lens: torch.Tensor,  # [B] context entries of each request: positions [0, ctx_len)
+    scale: float,
+    sinks: torch.Tensor | None = None,  # [Hq] per-head sink logits, or None
+    *,
+    max_ctx_len: int | None = None,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Shared-tile drafter attention -> [B, γ, Hq, D]. ``max_ctx_len`` (a hint: the context bucket a
+    graph is captured for) caps the split count; ``num_splits`` / ``block_n`` override the tuning."""
+    B, gamma, Hq, Hkv, D = _check(q, k_block, v_block, k_cache, v_cache, block_tables, ctx_lens, sinks)
+    G = Hq // Hkv
+    if out is None:
+        out = q.new_empty(B, gamma, Hq, D)
+    assert out.shape == q.shape and out.is_contiguous()
+    if B == 0:
+        return out
+    block_n = block_n or 64
+    splits = num_splits or default_num_splits(B * Hkv, q.device, max_ctx_len, block_n)
+    if splits == 1:
+        target, lse = out, out  # lse unused
+        so = (*out.stride()[:3], 0, 0, 0, 0)
+    else:
+        target = torch.empty(B, gamma, Hq, splits, D, dtype=torch.float32, device=q.device)
+        lse = torch.empty(B, gamma, Hq, splits, dtype=torch.float32, device=q.device)
+        so = (*target.stride()[:4], *lse.stride()[:3])
+    _drafter_attention_kernel[(B, Hkv, splits)](
+        q, k_block, v_block, k_cache, v_cache, target, lse, sinks if sinks is not None else q,
+        block_tables, ctx_lens, scale * LOG2E,
+        *q.stride()[:3], *_kv_args(k_block, v_block, k_cache, v_cache, block_tables), *so,
+        GAMMA=gamma, G=G, PAGE=k_cache.shape[1], HEAD_DIM=D,
+        BLOCK_M=next_pow2(max(16, gamma * G)), BLOCK_G=next_pow2(max(16, gamma)), BLOCK_N=block_n,
+        BLOCK_D=next_pow2(D), NUM_SPLITS=splits, HAS_SINK=sinks is not None,
+        DOT_PRECISION=dot_precision(q.dtype), num_warps=4,
+    )
+    if splits > 1:
+        combine_splits(target.view(B * gamma, Hq, splits, D), lse.view(B * gamma, Hq, splits),
+                       out.view(B * gamma, Hq, D), sinks)
+    return out
+
+
+def drafter_attention_naive(
+    q: torch.Tensor,
+    k_block: torch.Tensor,
+    v_block: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    ctx_lens: torch.Tensor,
+    scale: float,
+    sinks: torch.Tensor | None = None,
+    *,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """One program per (draft row, query head): rereads the context γ × Hq times. For comparison."""
+    B, gamma, Hq, Hkv, D = _check(q, k_block, v_block, k_cache, v_cache, block_tables, ctx_lens, sinks)
+    out = q.new_empty(B, gamma, Hq, D)
+    if B == 0:
+        return out
+    _drafter_attention_naive_kernel[(B * gamma, Hq)](
+        q, k_block, v_block, k_cache, v_cache, out, sinks if sinks is not None else q,
+        block_tables, ctx_lens, scale * LOG2E,
+        *q.stride()[:3], *_kv_args(k_block, v_block, k_cache, v_cache, block_tables), *out.stride()[:3],
+        GAMMA=gamma, G=Hq // Hkv, PAGE=k_cache.shape[1], HEAD_DIM=D,
+        BLOCK_G=next_pow2(gamma), BLOCK_N=block_n or 64, BLOCK_D=next_pow2(D), HAS_SINK=sinks is not None,
+        num_warps=2,
+    )
+    return out
+
+
+def drafter_attention_ref(
+    q: torch.Tensor,
+    k_block: torch.Tensor,
+    v_block: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    ctx_lens: torch.Tensor,
+    scale: float,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The engine's drafting-step attention in fp32: gather the context as ``DSparkProposer.propose``
+    does (``context_slots``), append the block, mask with ``[ctx_valid ‖ ones(γ)]`` as
+    ``DSparkDrafter.block_hidden`` does, softmax (with the sink as one more logit, then dropped)."""
+    B, gamma, Hq, D = q.shape
+    _, page, Hkv, _ = k_cache.shape
+    G = Hq // Hkv
+    slots, valid = context_slots(block_tables.long(), ctx_lens, page)  # [B, C]
+    keys = torch.cat([k_cache.reshape(-1, Hkv, D)[slots], k_block], 1).float()  # [B, C + γ, Hkv, D]
+    values = torch.cat([v_cache.reshape(-1, Hkv, D)[slots], v_block], 1).float()
+    mask = torch.cat([valid, valid.new_ones(B, gamma)], 1)  # [B, C + γ]
+    keys, values = keys.repeat_interleave(G, dim=2), values.repeat_interleave(G, dim=2)
+    s = torch.einsum("bihd,bjhd->bhij", q.float(), keys) * scale
+    s = s.masked_fill(~mask[:, None, None, :], float("-inf"))
+    if sinks is not None:
+        s = torch.cat([s, sinks.float()[None, :, None, None].expand(B, Hq, gamma, 1)], -1)
+    p = torch.softmax(s, -1)[..., : keys.shape[1]]
+    return torch.einsum("bhij,bjhd->bihd", p, values).to(q.dtype)
+
+
+__all__ = ["drafter_attention", "drafter_attention_naive", "drafter_attention_ref"]

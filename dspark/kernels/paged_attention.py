@@ -1,0 +1,393 @@
+"""Paged attention for decode and verification steps, in Triton, with its PyTorch reference.
+
+Semantics (those of ``dspark.layers.attention.TorchAttentionBackend``): queries ``q [T, Hq, D]`` are
+flattened over requests; request b owns query rows ``[qsl[b], qsl[b+1])`` (1 row when decoding, 1 + N
+when verifying N drafts, more for a small prefill chunk) and has ``seq_lens[b]`` tokens with K/V in the
+cache after this step, the new ones included (written by ``write_kv`` before attention). Query row i
+of a request with n rows sits at position ``seq_len - n + i`` and sees the keys at positions <= its
+own. A position p lives in cache slot ``block_table[p // page] * page + p % page`` of caches shaped
+``[num_blocks, page, Hkv, D]``; query head h reads K/V head ``h // (Hq // Hkv)`` (GQA).
+
+Design (why it looks like this):
+
+- **One program per (request, KV head)**, whose query tile stacks every query row of the request
+  times the G = Hq / Hkv query heads that share that KV head. Each K/V tile is loaded once and used
+  by all of them: decode (1 × G rows) and verification ((1 + N) × G rows) read the cache exactly once
+  per KV head, where one program per query head would read it G times and one per query token
+  1 + N times more. The tile is at least 16 rows so ``tl.dot`` can use tensor cores.
+- **K/V straight from the paged cache.** Each K/V tile gathers its rows through the block table in
+  the kernel; no dense copy of the context is made.
+- **Loop bounds from the request's own ``seq_len``, read at run time.** A launch has the same grid
+  for any context length, so a CUDA graph captured once (at the largest context of its bucket, or
+  at ``max_model_len``) replays at short context doing only short-context work.
+- **Flash-decoding split of the key range.** At batch 1 there are only Hkv programs (3 for
+  SmolLM2), far too few to fill a GPU; ``num_splits`` programs per (request, KV head) then each take
+  one slice of the keys (sliced at run time from seq_len, so still graph-friendly) and a second small
+  kernel merges their partial softmaxes by their log-sum-exp.
+- **No host synchronisation.** The wrappers read only tensor shapes on the host, never values
+  (no ``.item()`` / ``.tolist()``), so they can be captured in a CUDA graph. Tuning hints
+  (``max_query_len``, ``max_seq_len``) are Python ints the caller already knows; they pick tile sizes
+  and the split count, never correctness.
+- Softmax in fp32 and base 2 (``exp2`` with log2(e) folded into the scale); fully masked rows give 0,
+  not NaN.
+
+The kernels also run under Triton's interpreter on a CPU (``TRITON_INTERPRET=1``; see
+``dspark/kernels/__init__.py``), which is how the tests check them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dspark.kernels import interpreter_ready
+
+LOG2E = 1.4426950408889634  # exp(x) = exp2(x * LOG2E)
+
+
+def check_device(t: torch.Tensor) -> None:
+    """Kernels take CUDA tensors, or CPU tensors where Triton runs in its interpreter."""
+    if t.device.type != "cuda" and not interpreter_ready():
+        raise RuntimeError(
+            f"Triton kernels got {t.device.type} tensors but Triton is not in interpreter mode: set "
+            "TRITON_INTERPRET=1 before triton is first imported to run them on a CPU"
+        )
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs: exact fp32 products (the default would round them to tf32 on the GPU)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def default_num_splits(num_programs: int, device: torch.device, max_seq_len: int | None, block_n: int) -> int:
+    """How many slices of the key range each (request, KV head) program gets: enough programs to give
+    every SM about one, each slice at least 4 key tiles of the longest context the caller expects.
+    A power of two (each value is one more compiled kernel). 1 off the GPU."""
+    if device.type != "cuda":
+        return 1
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    splits = 1
+    while splits < 32 and num_programs * splits * 2 <= _SM_COUNT[idx]:
+        splits *= 2
+    if max_seq_len is not None:
+        while splits > 1 and max_seq_len < splits * block_n * 4:
+            splits //= 2
+    return splits
+
+
+# ---------------------------------------------------------------------------------------- kernels
+@triton.jit
+def _online_softmax_step(q, k, v, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr):
+    """One K/V tile of an online softmax. q [M, D], k/v [N, D], valid [M, N]; running row max m_i
+    and sum l_i [M] (log2 domain), unnormalised output acc [M, D] fp32."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    s = tl.where(valid, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet stays at 0
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _store_rows(out_ptr, lse_ptr, out_off, lse_off, row_ok, d, d_ok, m_i, l_i, acc, sink, NUM_SPLITS: tl.constexpr):
+    """Write a tile's result. One split: the final output, with ``sink`` [M] (a per-row logit in the
+    log2 domain, -inf for none) added to the softmax denominator only. Several splits: this slice's
+    normalised output and its log-sum-exp, for ``_combine_splits_kernel``."""
+    mask = row_ok[:, None] & d_ok[None, :]
+    if NUM_SPLITS == 1:
+        m_f = tl.maximum(m_i, sink)
+        m_ref = tl.where(m_f == float("-inf"), 0.0, m_f)
+        a = tl.exp2(m_i - m_ref)
+        l_f = l_i * a + tl.exp2(sink - m_ref)
+        o = acc * (a / tl.where(l_f == 0.0, 1.0, l_f))[:, None]
+        tl.store(out_ptr + out_off[:, None] + d[None, :], o.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
+        tl.store(out_ptr + out_off[:, None] + d[None, :], o, mask=mask)
+        tl.store(lse_ptr + lse_off, lse, mask=row_ok)
+
+
+@triton.jit
+def _combine_splits_kernel(
+    part_ptr, lse_ptr, out_ptr, sink_ptr,
+    stride_pr, stride_ph, stride_lr, stride_lh, stride_or, stride_oh,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_SINK: tl.constexpr,
+):
+    """Merge the key-range slices of one (query row, head): weights exp2(lse_s - max), plus the sink."""
+    r = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_ok = s < NUM_SPLITS
+    lse = tl.load(lse_ptr + r * stride_lr + h * stride_lh + s, mask=s_ok, other=float("-inf"))
+    if HAS_SINK:
+        sink = tl.load(sink_ptr + h).to(tl.float32) * 1.4426950408889634
+    else:
+        sink = float("-inf")
+    m = tl.maximum(tl.max(lse, 0), sink)
+    m_ref = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m_ref)
+    denom = tl.sum(w, 0) + tl.exp2(sink - m_ref)
+    o = tl.load(part_ptr + r * stride_pr + h * stride_ph + s[:, None] * HEAD_DIM + d[None, :],
+                mask=s_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+    o = tl.sum(w[:, None] * o, 0) / tl.where(denom == 0.0, 1.0, denom)
+    tl.store(out_ptr + r * stride_or + h * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
+    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    qk_scale, q_programs,
+    stride_qt, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_bt,
+    stride_ot, stride_oh, stride_os,
+    stride_lt, stride_lh,
+    G: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Program (b, kv head, split * q_programs + c): query chunks c, c + q_programs, ... of request b
+    (BLOCK_Q query tokens × G heads each), against key slice ``split`` of what the chunk may see."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2) % NUM_SPLITS
+    qc = tl.program_id(2) // NUM_SPLITS
+    q_start = tl.load(query_start_loc_ptr + b).to(tl.int64)
+    n_q = tl.load(query_start_loc_ptr + b + 1).to(tl.int64) - q_start
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int64)
+    ctx_len = seq_len - n_q  # keys before the request's first new token
+
+    r = tl.arange(0, BLOCK_M)  # tile row r = (query token r // G, head kvh * G + r % G)
+    head = kvh * G + r % G
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    n = tl.arange(0, BLOCK_N)
+    bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
+    no_sink = tl.full([BLOCK_M], float("-inf"), tl.float32)
+
+    for c0 in range(qc * BLOCK_Q, n_q, q_programs * BLOCK_Q):
+        qi = c0 + r // G
+        row_ok = (r < BLOCK_Q * G) & (qi < n_q)
+        q_pos = ctx_len + qi
+        t = q_start + qi
+        q = tl.load(q_ptr + t[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        # The chunk's last query sees keys < kv_end; this program takes one slice of [0, kv_end).
+        kv_end = tl.minimum(seq_len, ctx_len + c0 + BLOCK_Q)
+        split_len = ((kv_end + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+        lo = split * split_len
+        hi = tl.minimum(lo + split_len, kv_end)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.full([BLOCK_M], 0.0, tl.float32)
+        acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
+        for n0 in range(lo, hi, BLOCK_N):
+            pos = n0 + n
+            kv_ok = pos < hi
+            blk = tl.load(bt_row + pos // PAGE, mask=kv_ok, other=0).to(tl.int64)
+            in_page = pos % PAGE
+            kv_mask = kv_ok[:, None] & d_ok[None, :]
+            k = tl.load(k_cache_ptr + (blk * stride_kb + in_page * stride_kt + kvh * stride_kh)[:, None] + d[None, :],
+                        mask=kv_mask, other=0.0)
+            v = tl.load(v_cache_ptr + (blk * stride_vb + in_page * stride_vt + kvh * stride_vh)[:, None] + d[None, :],
+                        mask=kv_mask, other=0.0)
+            valid = kv_ok[None, :] & (pos[None, :] <= q_pos[:, None])
+            m_i, l_i, acc = _online_softmax_step(q, k, v, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+
+        _store_rows(out_ptr, lse_ptr, t * stride_ot + head * stride_oh + split * stride_os,
+                    t * stride_lt + head * stride_lh + split, row_ok, d, d_ok,
+                    m_i, l_i, acc, no_sink, NUM_SPLITS)
+
+
+@triton.jit
+def _write_kv_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_ckb, stride_ckt, stride_ckh, stride_cvb, stride_cvt, stride_cvh,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Program t copies token t's K and V rows [Hkv, D] into its cache slot; slot < 0 is skipped."""
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    mask = (h[:, None] < NUM_KV_HEADS) & (d[None, :] < HEAD_DIM) & (slot >= 0)
+    blk = slot // PAGE
+    off = slot % PAGE
+    k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
+    v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
+    tl.store(k_cache_ptr + blk * stride_ckb + off * stride_ckt + h[:, None] * stride_ckh + d[None, :],
+             k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + blk * stride_cvb + off * stride_cvt + h[:, None] * stride_cvh + d[None, :],
+             v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+# --------------------------------------------------------------------------------------- wrappers
+def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, "caches are [num_blocks, page, Hkv, D]"
+    assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1, "cache rows must be contiguous in head_dim"
+
+
+def combine_splits(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, sinks: torch.Tensor | None) -> None:
+    """out [R, H, D] from slices part [R, H, S, D] (normalised) and lse [R, H, S] (log2 domain)."""
+    R, H, S, D = part.shape
+    if R == 0:
+        return
+    _combine_splits_kernel[(R, H)](
+        part, lse, out, sinks if sinks is not None else lse,
+        part.stride(0), part.stride(1), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
+        NUM_SPLITS=S, BLOCK_S=next_pow2(S), HEAD_DIM=D, BLOCK_D=next_pow2(D), HAS_SINK=sinks is not None,
+        num_warps=1 if D <= 64 else 2,
+    )
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [num_blocks, page, Hkv, D]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks] int32/int64, padded with the dummy block 0
+    seq_lens: torch.Tensor,  # [B] tokens with K/V after this step (the new ones included)
+    query_start_loc: torch.Tensor,  # [B + 1] request b owns query rows [qsl[b], qsl[b+1])
+    scale: float,
+    *,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of each request's new query rows over its paged K/V -> [T, Hq, D].
+
+    Every row must belong to a request (rows past ``qsl[B]`` are left unwritten). A padding request
+    (say seq_len 1 on the dummy block 0) costs one tiny program and gives finite output.
+
+    Hints, all optional and only for speed: ``max_query_len`` (the most query rows of one request;
+    default ``ceil(T / B)``, exact for uniform batches) sizes the query tile, and when given also
+    spreads longer requests' query chunks over several programs; ``max_seq_len`` (e.g. the context
+    bucket a CUDA graph is captured for) caps the split count; ``num_splits`` / ``block_n`` override
+    the key-range split count and key tile size.
+    """
+    T, Hq, D = q.shape
+    _check_cache(k_cache, v_cache)
+    _, page, Hkv, Dk = k_cache.shape
+    assert Dk == D and Hq % Hkv == 0, f"q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)}"
+    assert q.stride(2) == 1
+    B = seq_lens.shape[0]
+    assert query_start_loc.shape[0] == B + 1 and block_tables.shape[0] == B
+    G = Hq // Hkv
+    check_device(q)
+    if out is None:
+        out = q.new_empty(T, Hq, D)
+    assert out.shape == q.shape and out.stride(2) == 1
+    if T == 0 or B == 0:
+        return out
+    mq = max(max_query_len if max_query_len is not None else -(-T // B), 1)
+    block_m = min(next_pow2(max(16, mq * G)), max(64, next_pow2(G)))
+    block_q = block_m // G
+    q_programs = -(-mq // block_q) if max_query_len is not None else 1
+    block_n = block_n or 64
+    splits = num_splits or default_num_splits(B * Hkv * q_programs, q.device, max_seq_len, block_n)
+    if splits == 1:
+        target, lse = out, out  # lse unused
+        so = (out.stride(0), out.stride(1), 0, 0, 0)
+    else:
+        target = torch.empty(T, Hq, splits, D, dtype=torch.float32, device=q.device)
+        lse = torch.empty(T, Hq, splits, dtype=torch.float32, device=q.device)
+        so = (target.stride(0), target.stride(1), target.stride(2), lse.stride(0), lse.stride(1))
+    _paged_attention_kernel[(B, Hkv, splits * q_programs)](
+        q, k_cache, v_cache, target, lse, block_tables, seq_lens, query_start_loc,
+        scale * LOG2E, q_programs,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0), *so,
+        G=G, PAGE=page, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
+        BLOCK_D=next_pow2(D), NUM_SPLITS=splits, DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=4,
+    )
+    if splits > 1:
+        combine_splits(target, lse, out, None)
+    return out
+
+
+def write_kv(
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_blocks, page, Hkv, D]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T] cache slot of each token; < 0: not written
+) -> None:
+    """Store new K/V rows at their cache slots in one launch (K and V together). A negative slot
+    skips the row, so padded rows of a captured batch need no dummy slot (slot 0 works too)."""
+    T, Hkv, D = k.shape
+    _check_cache(k_cache, v_cache)
+    assert v.shape == k.shape and k_cache.shape[2:] == (Hkv, D) and k.stride(2) == 1 and v.stride(2) == 1
+    check_device(k)
+    if T == 0:
+        return
+    _write_kv_kernel[(T,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        NUM_KV_HEADS=Hkv, HEAD_DIM=D, PAGE=k_cache.shape[1], BLOCK_H=next_pow2(Hkv), BLOCK_D=next_pow2(D),
+        num_warps=1 if Hkv * D <= 512 else 4,
+    )
+
+
+# -------------------------------------------------------------------------------------- reference
+def paged_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """The same attention, one request at a time in fp32: gather its keys through the block table,
+    mask causally, softmax. Plain and slow (host loop); rows outside every request are zero."""
+    T, Hq, D = q.shape
+    _, page, Hkv, _ = k_cache.shape
+    G = Hq // Hkv
+    kc = k_cache.reshape(-1, Hkv, D)
+    vc = v_cache.reshape(-1, Hkv, D)
+    out = torch.zeros_like(q)
+    qsl = query_start_loc.tolist()
+    for b, L in enumerate(seq_lens.tolist()):
+        start, end = qsl[b], qsl[b + 1]
+        n = end - start
+        if n == 0:
+            continue
+        pos = torch.arange(L, device=q.device)
+        slots = block_tables[b, pos // page].long() * page + pos % page
+        k = kc[slots].float().repeat_interleave(G, dim=1)  # [L, Hq, D]
+        v = vc[slots].float().repeat_interleave(G, dim=1)
+        s = torch.einsum("qhd,khd->hqk", q[start:end].float(), k) * scale
+        q_pos = L - n + torch.arange(n, device=q.device)
+        s = s.masked_fill(~(pos[None, :] <= q_pos[:, None]), float("-inf"))
+        out[start:end] = torch.einsum("hqk,khd->qhd", torch.softmax(s, dim=-1), v).to(q.dtype)
+    return out
+
+
+__all__ = ["paged_attention", "paged_attention_ref", "write_kv", "combine_splits", "check_device", "LOG2E"]
+

@@ -1,0 +1,136 @@
+"""DSpark drafter attention kernels (shared-tile and naive) vs their PyTorch reference, and the
+reference vs the attention the engine's drafting step actually computes (DSparkDrafter.block_hidden
+over context K/V that DSparkProposer wrote into its paged cache). Runs in Triton's interpreter on the
+CPU (see conftest.py): shapes are kept small."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from dspark.kernels.drafter_attention import (  # noqa: E402
+    drafter_attention,
+    drafter_attention_naive,
+    drafter_attention_ref,
+)
+from dspark.layers.attention import context_slots  # noqa: E402
+
+
+def make_inputs(ctx_lens: list[int], *, gamma: int, heads: tuple[int, int], head_dim: int, page: int,
+                seed: int = 0) -> dict:
+    """Random block rows and a paged context cache; requests own distinct random blocks (never the
+    dummy block 0); a request with no context keeps a table of zeros, like a padded row."""
+    g = torch.Generator().manual_seed(seed)
+    Hq, Hkv = heads
+    B = len(ctx_lens)
+    n_blocks = [-(-c // page) for c in ctx_lens]
+    num_blocks = 1 + sum(n_blocks) + 2
+    ids = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
+    table = torch.zeros(B, max(n_blocks + [1]) + 1, dtype=torch.int64)
+    for b, n in enumerate(n_blocks):
+        table[b, :n] = torch.tensor(ids[:n], dtype=torch.int64)
+        ids = ids[n:]
+    return dict(
+        q=torch.randn(B, gamma, Hq, head_dim, generator=g),
+        k_block=torch.randn(B, gamma, Hkv, head_dim, generator=g),
+        v_block=torch.randn(B, gamma, Hkv, head_dim, generator=g),
+        k_cache=torch.randn(num_blocks, page, Hkv, head_dim, generator=g),
+        v_cache=torch.randn(num_blocks, page, Hkv, head_dim, generator=g),
+        block_tables=table,
+        ctx_lens=torch.tensor(ctx_lens),
+        scale=head_dim**-0.5,
+    )
+
+
+CTX = [0, 1, 13, 35]  # no context (padding), one entry, non-multiples of the page (4) and key tile (16)
+
+
+@pytest.mark.parametrize("gamma", [5, 7])
+@pytest.mark.parametrize("heads,head_dim", [((2, 2), 32), ((9, 3), 64)], ids=["gqa1", "gqa3"])
+@pytest.mark.parametrize("sinks", [False, True], ids=["nosink", "sink"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_shared_tile_matches_reference(gamma, heads, head_dim, sinks, num_splits):
+    x = make_inputs(CTX, gamma=gamma, heads=heads, head_dim=head_dim, page=4, seed=gamma)
+    s = torch.randn(heads[0], generator=torch.Generator().manual_seed(5)) * 2 if sinks else None
+    ref = drafter_attention_ref(**x, sinks=s)
+    out = drafter_attention(**x, sinks=s, num_splits=num_splits, block_n=16)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("sinks", [False, True], ids=["nosink", "sink"])
+def test_naive_matches_reference(sinks):
+    x = make_inputs([0, 21], gamma=3, heads=(3, 1), head_dim=32, page=4)
+    s = torch.randn(3, generator=torch.Generator().manual_seed(5)) if sinks else None
+    out = drafter_attention_naive(**x, sinks=s, block_n=8)
+    torch.testing.assert_close(out, drafter_attention_ref(**x, sinks=s), atol=2e-5, rtol=1e-5)
+
+
+def test_int32_tables_and_strided_views():
+    """q and the block K/V as views into one fused projection output, int32 metadata."""
+    x = make_inputs([9, 30], gamma=5, heads=(9, 3), head_dim=64, page=16)
+    B, gamma, Hq, D = x["q"].shape
+    qkv = torch.cat([x["q"].reshape(B, gamma, -1), x["k_block"].reshape(B, gamma, -1),
+                     x["v_block"].reshape(B, gamma, -1)], -1)
+    views = dict(x, q=qkv[..., :Hq * D].view(B, gamma, Hq, D), k_block=qkv[..., Hq * D:(Hq + 3) * D].view(B, gamma, 3, D),
+                 v_block=qkv[..., (Hq + 3) * D:].view(B, gamma, 3, D), block_tables=x["block_tables"].int(),
+                 ctx_lens=x["ctx_lens"].int())
+    torch.testing.assert_close(drafter_attention(**views, block_n=16), drafter_attention_ref(**x), atol=2e-5, rtol=1e-5)
+
+
+def test_reference_is_the_drafting_step(monkeypatch):
+    """Run the engine's drafting step for real (a one-layer drafter, context K/V written by
+    DSparkProposer.write_context into its paged cache, then gathered and masked as propose() and
+    block_hidden() do) and catch the attention call: the reference and the kernel reproduce it."""
+    from dspark.layers.linear import Linear
+    from dspark.models.dspark_drafter import DrafterConfig, DSparkDrafter
+    from dspark.spec.proposer import DSparkProposer
+
+    H, V, gamma, page = 64, 40, 5, 4
+    cfg = DrafterConfig.from_dict({
+        "architectures": ["LlamaDSparkModel"], "hidden_size": H, "intermediate_size": 96,
+        "num_hidden_layers": 1, "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 16,
+        "vocab_size": V, "block_size": gamma, "mask_token_id": V - 1, "target_layer_ids": [0],
+        "num_target_layers": 2, "markov_rank": 0,
+    })
+    torch.manual_seed(0)
+    lm_head = Linear(H, V)
+    drafter = DSparkDrafter(cfg, torch.nn.Embedding(V, H), lm_head, max_positions=64)
+    with torch.no_grad():
+        lm_head.weight_t.normal_(0, 0.2)
+        for p in drafter.parameters():
+            p.normal_(0, 0.3)
+    proposer = DSparkProposer(drafter)
+    anchor_pos = torch.tensor([1, 6, 19])  # context entries: positions [0, anchor_pos)
+    proposer.allocate_cache(num_blocks=16, block_size=page)
+    table = torch.zeros(3, 6, dtype=torch.int64)
+    table[0, :1], table[1, :2], table[2, :5] = torch.tensor([9]), torch.tensor([3, 14]), torch.tensor([2, 7, 1, 11, 5])
+    pos = torch.cat([torch.arange(a) for a in anchor_pos.tolist()])
+    req = torch.repeat_interleave(torch.arange(3), anchor_pos)
+    proposer.write_context(torch.randn(pos.shape[0], H), pos, table[req, pos // page] * page + pos % page)
+
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kw):
+        o = sdpa(q, k, v, **kw)
+        calls.append((q, k, v, o))
+        return o
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    slots, valid = context_slots(table, anchor_pos, page)  # as DSparkProposer.propose gathers it
+    kc, vc = proposer.kv[0, 0], proposer.kv[0, 1]
+    ctx_kv = [(kc.view(-1, *kc.shape[2:])[slots], vc.view(-1, *vc.shape[2:])[slots])]
+    with torch.inference_mode():
+        drafter.block_hidden(torch.tensor([4, 8, 15]), anchor_pos, ctx_kv, valid, gamma)
+    monkeypatch.undo()
+
+    (q, keys, values, o), = calls  # [B, Hq, γ, D], [B, Hkv, C + γ, D], .., [B, Hq, γ, D]
+    C = keys.shape[2] - gamma
+    args = (q.transpose(1, 2), keys[:, :, C:].transpose(1, 2), values[:, :, C:].transpose(1, 2), kc, vc, table,
+            anchor_pos, cfg.head_dim**-0.5)
+    want = o.transpose(1, 2)
+    torch.testing.assert_close(drafter_attention_ref(*args), want, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(drafter_attention(*args, block_n=16), want, atol=2e-5, rtol=1e-5)

@@ -1,0 +1,148 @@
+"""Paged decode/verification attention kernel vs its PyTorch reference, and the reference vs the
+engine's TorchAttentionBackend on the same batch (so the kernel's semantics are the engine's).
+Runs in Triton's interpreter on the CPU (see conftest.py): shapes are kept small."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from dspark.kernels.paged_attention import paged_attention, paged_attention_ref, write_kv  # noqa: E402
+from dspark.layers.attention import BatchLayout, TorchAttentionBackend  # noqa: E402
+
+
+@dataclass
+class Batch:
+    q: torch.Tensor  # [T, Hq, D]
+    k: torch.Tensor  # [T, Hkv, D] new K/V rows
+    v: torch.Tensor
+    k_cache: torch.Tensor  # [num_blocks, page, Hkv, D], context already written
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor  # [B, max_blocks]
+    seq_lens: torch.Tensor  # [B]
+    qsl: torch.Tensor  # [B + 1]
+    positions: torch.Tensor  # [T]
+    slot_mapping: torch.Tensor  # [T]
+    page: int
+
+
+def make_batch(seq_lens: list[int], q_lens: list[int], *, heads: tuple[int, int], head_dim: int, page: int,
+               pad_requests: int = 0, seed: int = 0) -> Batch:
+    """Random caches and a ragged batch laid out as the runner lays it out; requests own distinct
+    random blocks (never block 0). ``pad_requests`` extra requests decode one row at seq_len 1 on the
+    dummy block 0, as a padded CUDA-graph batch would."""
+    g = torch.Generator().manual_seed(seed)
+    Hq, Hkv = heads
+    seq_lens = list(seq_lens) + [1] * pad_requests
+    q_lens = list(q_lens) + [1] * pad_requests
+    n_blocks = [-(-s // page) for s in seq_lens[:len(seq_lens) - pad_requests]]
+    width = max(n_blocks + [1]) + 1  # one spare column of padding
+    num_blocks = 1 + sum(n_blocks) + 3
+    ids = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
+    table = torch.zeros(len(seq_lens), width, dtype=torch.int64)
+    for b, n in enumerate(n_blocks):
+        table[b, :n] = torch.tensor(ids[:n])
+        ids = ids[n:]
+    k_cache = torch.randn(num_blocks, page, Hkv, head_dim, generator=g)
+    v_cache = torch.randn(num_blocks, page, Hkv, head_dim, generator=g)
+    qsl = torch.tensor([0] + q_lens).cumsum(0)
+    T = int(qsl[-1])
+    positions = torch.cat([torch.arange(s - n, s) for s, n in zip(seq_lens, q_lens)])
+    req = torch.repeat_interleave(torch.arange(len(seq_lens)), torch.tensor(q_lens))
+    slot_mapping = table[req, positions // page] * page + positions % page
+    return Batch(
+        q=torch.randn(T, Hq, head_dim, generator=g), k=torch.randn(T, Hkv, head_dim, generator=g),
+        v=torch.randn(T, Hkv, head_dim, generator=g), k_cache=k_cache, v_cache=v_cache, block_tables=table,
+        seq_lens=torch.tensor(seq_lens), qsl=qsl, positions=positions, slot_mapping=slot_mapping, page=page,
+    )
+
+
+def written(b: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The caches after this step's K/V rows are stored (as the engine does before attending)."""
+    kc, vc = b.k_cache.clone(), b.v_cache.clone()
+    kc.view(-1, *kc.shape[2:]).index_copy_(0, b.slot_mapping, b.k)
+    vc.view(-1, *vc.shape[2:]).index_copy_(0, b.slot_mapping, b.v)
+    return kc, vc
+
+
+# (name, seq_lens, q_lens): ragged, lengths of 1, non-multiples of the page and of the key tile (16)
+CASES = [
+    ("decode", [1, 5, 17, 40], [1, 1, 1, 1]),
+    ("verify", [6, 9, 23, 38], [6, 6, 6, 6]),  # 1 + N rows, N = 5; the first request has no context
+    ("mixed", [3, 12, 30, 21], [1, 6, 11, 3]),  # decode, verification, a prefill chunk, a short one
+]
+HEADS = [((2, 2), 32), ((9, 3), 64)]  # GQA ratio 1; SmolLM2 (9 query heads over 3 KV heads, D 64)
+
+
+@pytest.mark.parametrize("name,seq_lens,q_lens", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("heads,head_dim", HEADS, ids=["gqa1", "gqa3"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_kernel_matches_reference(name, seq_lens, q_lens, heads, head_dim, num_splits):
+    b = make_batch(seq_lens, q_lens, heads=heads, head_dim=head_dim, page=4, pad_requests=1)
+    kc, vc = written(b)
+    scale = head_dim**-0.5
+    ref = paged_attention_ref(b.q, kc, vc, b.block_tables, b.seq_lens, b.qsl, scale)
+    out = paged_attention(b.q, kc, vc, b.block_tables, b.seq_lens, b.qsl, scale, num_splits=num_splits, block_n=16)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
+
+
+def test_query_chunks_over_several_programs():
+    """A request longer than one query tile: its chunks loop inside a program (no hint) or spread over
+    programs (``max_query_len``), with int32 metadata and a page larger than the key tile."""
+    b = make_batch([37, 9], [29, 2], heads=(9, 3), head_dim=64, page=16)
+    kc, vc = written(b)
+    ref = paged_attention_ref(b.q, kc, vc, b.block_tables, b.seq_lens, b.qsl, 0.125)
+    i32 = dict(block_tables=b.block_tables.int(), seq_lens=b.seq_lens.int(), query_start_loc=b.qsl.int())
+    for hint in (None, 29):
+        out = paged_attention(b.q, kc, vc, **i32, scale=0.125, max_query_len=hint, block_n=8)
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name,seq_lens,q_lens", CASES, ids=[c[0] for c in CASES])
+def test_reference_matches_torch_backend(name, seq_lens, q_lens):
+    """The engine's backend writes the new K/V and attends; write_kv + the reference (and the kernel)
+    on the same batch give the same rows, the padding request included."""
+    b = make_batch(seq_lens, q_lens, heads=(9, 3), head_dim=64, page=4, pad_requests=1)
+    layout = BatchLayout(positions=b.positions, slot_mapping=b.slot_mapping, query_start_loc=b.qsl.tolist(),
+                         seq_lens=b.seq_lens.tolist(), block_tables=b.block_tables, block_size=b.page)
+    backend = TorchAttentionBackend()
+    kc, vc = b.k_cache.clone(), b.v_cache.clone()
+    want = backend.forward(b.q, b.k, b.v, kc, vc, backend.prepare(layout), 0.125)
+
+    kc2, vc2 = b.k_cache.clone(), b.v_cache.clone()
+    write_kv(b.k, b.v, kc2, vc2, b.slot_mapping)
+    assert torch.equal(kc2, kc) and torch.equal(vc2, vc)
+    ref = paged_attention_ref(b.q, kc2, vc2, b.block_tables, b.seq_lens, b.qsl, 0.125)
+    torch.testing.assert_close(ref, want, atol=2e-5, rtol=1e-5)
+    out = paged_attention(b.q, kc2, vc2, b.block_tables, b.seq_lens, b.qsl, 0.125, block_n=16)
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-5)
+
+
+def test_write_kv_skips_negative_slots_and_strided_inputs():
+    g = torch.Generator().manual_seed(1)
+    kc = torch.randn(5, 4, 3, 16, generator=g)
+    vc = torch.randn(5, 4, 3, 16, generator=g)
+    kv = torch.randn(6, 2 * 3 * 16 + 7, generator=g)  # k and v as views of one projection output
+    k = kv[:, :48].view(6, 3, 16)
+    v = kv[:, 48:96].view(6, 3, 16)
+    slots = torch.tensor([7, -1, 0, 19, -1, 12])
+    want_k, want_v = kc.clone(), vc.clone()
+    keep = slots >= 0
+    want_k.view(-1, 3, 16).index_copy_(0, slots[keep], k[keep])
+    want_v.view(-1, 3, 16).index_copy_(0, slots[keep], v[keep])
+    write_kv(k, v, kc, vc, slots)
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+
+
+def test_half_precision():
+    """fp16 inputs (tensor-core dtype on the GPU): products in fp16, softmax and sums in fp32."""
+    b = make_batch([7, 20], [1, 4], heads=(9, 3), head_dim=64, page=4)
+    kc, vc = written(b)
+    args = (b.q.half(), kc.half(), vc.half(), b.block_tables, b.seq_lens, b.qsl, 0.125)
+    out = paged_attention(*args, block_n=16)
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out.float(), paged_attention_ref(*args).float(), atol=2e-3, rtol=2e-3)
