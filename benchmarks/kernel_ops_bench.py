@@ -1,0 +1,232 @@
+"""GPU timings of the fused kernels (dspark/kernels/markov_sampler.py, dspark/kernels/fused_ops.py)
+against their PyTorch references, at SmolLM2-135M sizes.
+
+    python -m benchmarks.kernel_ops_bench --out kernel_ops.json [--quick]
+
+Shapes: hidden 576, 9 query / 3 KV heads of 64, MLP 1536, vocabulary 49152, Markov rank 64,
+γ (drafts per block) 5 and 7, batch 1 / 8 / 32, bf16 activations and weights (fp32 logits). The
+layer ops are timed at decode shapes (T = batch rows) and at verification shapes (T = batch ×
+(1 + γ) rows, γ = 7), where the drafter's context store also runs (about half the rows rejected).
+
+Each kernel is first checked on the GPU against its reference on the same inputs (tokens and q of
+the Markov sampler; outputs and caches of the layer ops); a failed check is reported in the table and
+in the JSON. Times are medians of ``triton.testing.do_bench`` (ms). For the Markov sampler,
+``graph_ms`` is the fused path replayed as one CUDA graph (it never synchronises with the host, so
+it can be captured; the reference cannot: it reads ``any()`` of a device tensor).
+
+The Markov sampler's base logits are made LM-like: Gaussian noise plus a few strongly boosted tokens
+per slot, so top-p sets are tens of tokens rather than most of the vocabulary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+import dspark.kernels  # noqa: F401  (interpreter choice before triton is imported)
+import triton
+import triton.testing
+
+from dspark.kernels.fused_ops import (
+    add_rms_norm,
+    add_rms_norm_reference,
+    rope_qk_cache,
+    silu_and_mul,
+    silu_and_mul_reference,
+    store_context_kv,
+    store_context_kv_reference,
+)
+from dspark.kernels.markov_sampler import markov_sample, markov_sample_reference
+from dspark.layers.basic import RotaryEmbedding, apply_rope
+from dspark.sample.sampler import SamplingBatch
+from dspark.sampling_params import SamplingParams
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB, RANK = 576, 9, 3, 64, 1536, 49152, 64
+EPS = 1e-5
+DTYPE = torch.bfloat16
+
+SAMPLING = {  # name -> (params for every row, probabilistic drafting)
+    "greedy": (dict(temperature=0.0), False),
+    "T=1": (dict(temperature=1.0), True),
+    "T=0.7,top_p=0.95": (dict(temperature=0.7, top_p=0.95), True),
+    "T=0.7,top_k=20,top_p=0.8": (dict(temperature=0.7, top_k=20, top_p=0.8), True),
+}
+
+
+def bench(fn, rep: int) -> float:
+    return float(triton.testing.do_bench(fn, warmup=max(rep // 4, 5), rep=rep, return_mode="median"))
+
+
+def bench_graph(fn, rep: int) -> float | None:
+    try:
+        return float(triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median"))
+    except Exception as e:  # noqa: BLE001 — report, don't abort the table
+        print(f"  (graph capture failed: {type(e).__name__}: {e})", file=sys.stderr)
+        return None
+
+
+# ----------------------------------------------------------------------------- Markov sampler
+def markov_inputs(B: int, gamma: int, sampling: str, seed: int = 0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    base = torch.randn(B, gamma, VOCAB, device="cuda", generator=g) * 2.0
+    hot = torch.randint(0, VOCAB, (B, gamma, 24), device="cuda", generator=g)
+    base.scatter_add_(2, hot, 6.0 + 8.0 * torch.rand(B, gamma, 24, device="cuda", generator=g))
+    w1 = (torch.randn(VOCAB, RANK, device="cuda", generator=g) * 0.3).to(DTYPE)
+    w2_t = (torch.randn(RANK, VOCAB, device="cuda", generator=g) * 0.3).to(DTYPE)
+    anchors = torch.randint(0, VOCAB, (B,), device="cuda", generator=g)
+    anchor_pos = torch.randint(0, 4000, (B,), device="cuda", generator=g)
+    kw, prob = SAMPLING[sampling]
+    params = [SamplingParams(**kw) for _ in range(B)]
+    batch = SamplingBatch.build(params, list(range(1, B + 1)), (anchor_pos + 1).tolist(), [[]] * B, [[]] * B,
+                                VOCAB, "cuda")
+    return base, anchors, anchor_pos + 1, w1, w2_t, batch, [prob] * B
+
+
+def run_markov(batches: list[int], gammas: list[int], rep: int) -> list[dict]:
+    rows = []
+    for sampling in SAMPLING:
+        for gamma in gammas:
+            for B in batches:
+                base, anchors, key_pos, w1, w2_t, batch, prob = markov_inputs(B, gamma, sampling)
+                prob_mask = torch.tensor(prob, device="cuda")
+                args = (base, anchors, w1, w2_t, batch, key_pos, prob)
+                tok, q = markov_sample(*args, prob_mask=prob_mask)
+                ref_tok, ref_q = markov_sample_reference(*args)
+                match = float((tok == ref_tok).float().mean())
+                qdiff = None if q is None else float((q - ref_q).abs().max())
+                ok = match == 1.0 and (qdiff is None or qdiff <= 1e-5)
+                t_ref = bench(lambda: markov_sample_reference(*args), rep)
+                t_tri = bench(lambda: markov_sample(*args, prob_mask=prob_mask), rep)
+                t_graph = bench_graph(lambda: markov_sample(*args, prob_mask=prob_mask), rep)
+                rows.append(dict(op="markov_sampler", config=sampling, batch=B, gamma=gamma, rows=B,
+                                 ref_ms=t_ref, triton_ms=t_tri, graph_ms=t_graph, speedup=t_ref / t_tri,
+                                 token_match=match, q_max_abs_diff=qdiff, correct=ok))
+                print_row(rows[-1])
+    return rows
+
+
+# ---------------------------------------------------------------------------------- layer ops
+def eager_rope_cache(q, k, v, positions, rope: RotaryEmbedding, k_cache, v_cache, slots):
+    """The eager Attention path: cos_sin, apply_rope on q and k, the backend's index_copy_."""
+    cs = rope.cos_sin(positions, q.dtype)
+    q, k = apply_rope(q, *cs), apply_rope(k, *cs)
+    k_cache.view(-1, KV_HEADS, HEAD_DIM).index_copy_(0, slots, k)
+    v_cache.view(-1, KV_HEADS, HEAD_DIM).index_copy_(0, slots, v)
+    return q, k
+
+
+def run_layer_ops(batches: list[int], rep: int, verify_gamma: int = 7) -> list[dict]:
+    rows = []
+    rope = RotaryEmbedding(HEAD_DIM, 100000.0, 8192).cuda()
+    num_blocks, bs = 2048, 16
+    for B in batches:
+        for shape, T in (("decode", B), ("verify", B * (1 + verify_gamma))):
+            g = torch.Generator(device="cuda").manual_seed(T)
+            cfg = f"{shape} T={T}"
+
+            # residual add + RMSNorm
+            x = torch.randn(T, HIDDEN, device="cuda", generator=g).to(DTYPE)
+            res = torch.randn(T, HIDDEN, device="cuda", generator=g).to(DTYPE)
+            w = (torch.rand(HIDDEN, device="cuda", generator=g) + 0.5).to(DTYPE)
+            out, new_res = add_rms_norm(x, res, w, EPS)
+            ref_out, ref_res = add_rms_norm_reference(x, res, w, EPS)
+            diff = float((out.float() - ref_out.float()).abs().max())
+            ok = torch.equal(new_res, ref_res) and diff <= 2 * float(ref_out.abs().max()) * 2**-8
+            rows.append(record("add_rms_norm", cfg, B, T, lambda: add_rms_norm_reference(x, res, w, EPS),
+                               lambda: add_rms_norm(x, res, w, EPS), rep, ok, diff))
+
+            # RoPE on q, k + KV-cache write
+            qkv = torch.randn(T, (HEADS + 2 * KV_HEADS) * HEAD_DIM, device="cuda", generator=g).to(DTYPE)
+            q, k, v = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
+            q, k, v = q.view(T, HEADS, HEAD_DIM), k.view(T, KV_HEADS, HEAD_DIM), v.view(T, KV_HEADS, HEAD_DIM)
+            positions = torch.randint(0, 8000, (T,), device="cuda", generator=g)
+            slots = torch.randperm(num_blocks * bs, device="cuda", generator=g)[:T]
+            caches = [torch.zeros(num_blocks, bs, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE) for _ in range(4)]
+            qo, ko = rope_qk_cache(q, k, v, positions, rope.cos, rope.sin_signed, caches[0], caches[1], slots)
+            qr, kr = eager_rope_cache(q, k, v, positions, rope, caches[2], caches[3], slots)
+            ok = all(torch.equal(a, b) for a, b in ((qo, qr), (ko, kr), (caches[0], caches[2]), (caches[1], caches[3])))
+            diff = float((qo.float() - qr.float()).abs().max())
+            rows.append(record("rope_qk_cache", cfg, B, T,
+                               lambda: eager_rope_cache(q, k, v, positions, rope, caches[2], caches[3], slots),
+                               lambda: rope_qk_cache(q, k, v, positions, rope.cos, rope.sin_signed, caches[0],
+                                                     caches[1], slots), rep, ok, diff))
+
+            # SwiGLU
+            gate_up = torch.randn(T, 2 * INTER, device="cuda", generator=g).to(DTYPE)
+            a, r = silu_and_mul(gate_up), silu_and_mul_reference(gate_up)
+            diff = float((a.float() - r.float()).abs().max())
+            ok = diff <= 2 * float(r.abs().max()) * 2**-8
+            rows.append(record("silu_and_mul", cfg, B, T, lambda: silu_and_mul_reference(gate_up),
+                               lambda: silu_and_mul(gate_up), rep, ok, diff))
+
+            # drafter context K/V store (verify shapes: about half of the rows are rejected drafts)
+            if shape == "verify":
+                valid = torch.rand(T, device="cuda", generator=g) < 0.5
+                kw = dict(positions=positions, cos=rope.cos, sin_signed=rope.sin_signed)
+                c2 = [torch.zeros_like(caches[0]) for _ in range(4)]
+                store_context_kv(k, v, c2[0], c2[1], slots, valid, **kw)
+                store_context_kv_reference(k, v, c2[2], c2[3], slots, valid, **kw)
+                ok = torch.equal(c2[0], c2[2]) and torch.equal(c2[1], c2[3])
+                diff = float((c2[0].float() - c2[2].float()).abs().max())
+                rows.append(record("store_context_kv", cfg, B, T,
+                                   lambda: store_context_kv_reference(k, v, c2[2], c2[3], slots, valid, **kw),
+                                   lambda: store_context_kv(k, v, c2[0], c2[1], slots, valid, **kw), rep, ok, diff))
+    return rows
+
+
+def record(op: str, cfg: str, B: int, T: int, ref, tri, rep: int, ok: bool, diff: float) -> dict:
+    t_ref, t_tri = bench(ref, rep), bench(tri, rep)
+    row = dict(op=op, config=cfg, batch=B, gamma=None, rows=T, ref_ms=t_ref, triton_ms=t_tri, graph_ms=None,
+               speedup=t_ref / t_tri, max_abs_diff=diff, correct=bool(ok))
+    print_row(row)
+    return row
+
+
+HEADER = f"{'op':<18} {'config':<26} {'B':>3} {'γ':>2} {'rows':>5} {'ref ms':>8} {'triton ms':>9} " \
+         f"{'graph ms':>8} {'speedup':>7}  check"
+
+
+def print_row(r: dict) -> None:
+    graph = f"{r['graph_ms']:8.4f}" if r.get("graph_ms") is not None else f"{'-':>8}"
+    gamma = r["gamma"] if r["gamma"] is not None else "-"
+    print(f"{r['op']:<18} {r['config']:<26} {r['batch']:>3} {gamma!s:>2} {r['rows']:>5} {r['ref_ms']:8.4f} "
+          f"{r['triton_ms']:9.4f} {graph} {r['speedup']:6.2f}x  {'ok' if r['correct'] else 'MISMATCH'}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="kernel_ops_bench.json", help="JSON results path")
+    ap.add_argument("--quick", action="store_true", help="batch 1 and 32, γ 7 only, fewer repetitions")
+    ap.add_argument("--only", choices=["markov", "layers"], help="run one group only")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("kernel_ops_bench needs a CUDA GPU", file=sys.stderr)
+        return 2
+    batches = [1, 32] if args.quick else [1, 8, 32]
+    gammas = [7] if args.quick else [5, 7]
+    rep = 30 if args.quick else 100
+    torch.backends.cuda.matmul.allow_tf32 = False
+    t0 = time.time()
+    print(HEADER)
+    rows: list[dict] = []
+    if args.only in (None, "markov"):
+        rows += run_markov(batches, gammas, rep)
+    if args.only in (None, "layers"):
+        rows += run_layer_ops(batches, rep)
+    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                dtype=str(DTYPE), seconds=round(time.time() - t0, 1),
+                sizes=dict(hidden=HIDDEN, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                           intermediate=INTER, vocab=VOCAB, markov_rank=RANK))
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, "results": rows}, f, indent=1)
+    bad = [r for r in rows if not r["correct"]]
+    print(f"wrote {args.out}; {len(rows)} rows, {len(bad)} failed checks")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,731 @@
+"""Fused Markov-head sampler for a whole DSpark draft block, in Triton, with its PyTorch reference.
+
+What it computes (the sequential part of ``DSparkProposer.propose``, dspark/spec/proposer.py): given
+the backbone's base logits ``U [B, N, V]`` (fp32), the anchor token ``x_0`` of each request and the
+Markov head ``W1 [V, r]`` (an embedding) and ``W2ᵀ [r, V]`` (``markov_w2.weight_t``), for k = 1..N
+
+    logits_k = U[:, k-1] + (W1[x_{k-1}] @ W2ᵀ)          bias rounded to the weights' dtype, as
+                                                          ``markov_w2(markov_w1(prev)).float()`` is
+    x_k      = argmax(logits_k)                           rows that do not draft probabilistically
+    x_k      = Sampler(logits_k, stream=draft_stream(k-1))   probabilistic rows: penalties ->
+               temperature -> min-p -> top-k -> top-p, then Gumbel-max with the noise
+               gumbel(seed, key_position, 1 + 4(k-1)), key_position = anchor position + 1 for
+               every k (noise is keyed per step, the slot goes in the stream; see rng.draft_stream)
+    q_k      = compute_probs(logits_k)                    probabilistic rows (0 elsewhere)
+
+so each drafted token is the previous token of the next slot. ``markov_sample_reference`` runs
+exactly that with the existing PyTorch code paths; ``markov_sample`` is the fused version and picks
+the same tokens.
+
+Design
+------
+- **Two launches per slot, no host synchronisation.** Slot k needs the whole argmax of slot k-1, so
+  the loop over k stays on the host, but every launch reads its previous token from device memory and
+  the wrapper never reads a tensor value (CUDA-graph capturable; 2N launches, N for all-greedy).
+  Launch A (grid B × ⌈V/BLOCK_V⌉) computes one vocabulary tile of the logits (the rank-r mat-vec
+  ``W1[prev] @ W2ᵀ`` fused with the base logits, penalties and temperature), tile partials (max and
+  arg-max for greedy rows; max and Σexp for the softmax), and writes the processed logits to a
+  [B, V] scratch row that stays in L2. Launch B (same grid) writes q and the tile's Gumbel-max
+  candidate. Each launch ends with a **last-block reduction**: every program bumps a per-row atomic
+  counter after its partials are stored (``debug_barrier`` then an acq_rel atomic), and the program
+  that arrives last reduces the row (and resets the counter). So the whole vocabulary is spread over
+  many SMs even at batch 1, with no third "reduce" launch. Under Triton's interpreter programs run one
+  after the other, where the same code is trivially correct.
+- **Philox4x32-10 in Triton** (``_philox``), word for word the one of dspark/sample/rng.py: 32-bit
+  words as uint32, ``umulhi``/wrapping multiply, same key schedule, counter (j // 4, pos lo, stream,
+  pos hi), key (seed lo, seed hi). Each program makes the Philox blocks of its tile once and
+  interleaves the four output words (``tl.join``) into column order.
+- **Bit-exact arithmetic where it decides tokens**: the temperature and repetition-penalty divisions
+  use ``div_rn`` (Triton's ``/`` is an approximate division on NVIDIA GPUs), the Gumbel transform
+  uses libdevice's ``log``/``log1p`` on the GPU (what torch's CUDA kernels call), min-p's log is
+  taken by torch in the wrapper, and the Markov bias is rounded to the weights' dtype like the
+  reference. Sums (the rank-r dot product, softmax normalisers) differ only in summation order.
+- **Top-k / top-p / min-p as one threshold.** Each filter keeps an upper set of the temperature-scaled
+  logits, so their composition keeps {z >= θ}. The last program of launch A finds θ:
+    * min-p only: θ = max + log(min_p) (one pass for the normaliser).
+    * top-k and/or top-p: a lower bound L for the threshold is read off the sorted tile maxima (the
+      k-th largest tile maximum is <= the k-th largest logit; tile maxima whose mass already reaches
+      top_p bound the top-p cut from below). One pass over the row gathers every logit >= L into a
+      small buffer (``cap`` entries, 2048 by default); if they fit, they are sorted (``tl.sort``) and
+      top-k / top-p are applied exactly as ``apply_top_k_top_p_min_p`` does: k-th value with ties
+      kept, then softmax over the top-k set (or the min-p-masked vocabulary), ``cumsum - p`` as the
+      mass before each token, dropped where it reaches top_p.
+    * otherwise (very flat distributions, top_k larger than the number of tiles): an exact bisection
+      over the order-preserving integer keys of the fp32 logits, one pass over the row per step,
+      counting (top-k) or summing probability mass (top-p). Slower, same result.
+  Launch B then keeps z >= θ, writes q = exp(z - max) / Σ_kept and samples argmax(z + gumbel) over
+  the kept set.
+
+Where it can differ from the reference (all measure-zero on continuous inputs): exact ties at the
+top-p cut (the reference's sort order decides which tied token is dropped; here both are kept), a
+near-tie in the float sums behind a top-p decision or the rank-r dot product, and, in the
+interpreter only, the last bit of the Gumbel noise (numpy's log vs torch's; on the GPU both use
+libdevice). The confidence head is not fused: it needs only the drafted tokens, so
+``σ(conf(h_k, x_{k-1}))`` for all k is one batched call after the loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from dspark.kernels import interpreter_ready
+from dspark.kernels.fused_ops import cast_rtne
+from dspark.sample.rng import draft_stream
+from dspark.sample.sampler import Sampler, SamplingBatch, compute_probs
+
+_NEG_INF = tl.constexpr(float("-inf"))  # a constexpr: jit code may read it
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def _check_device(t: Tensor) -> None:
+    if t.device.type != "cuda" and not interpreter_ready():
+        raise RuntimeError(
+            f"Triton kernels got {t.device.type} tensors but Triton is not in interpreter mode: set "
+            "TRITON_INTERPRET=1 before triton is first imported to run them on a CPU"
+        )
+
+
+# ----------------------------------------------------------------------------------------- Philox
+@triton.jit
+def _philox(c0, c1, c2, c3, k0, k1):
+    """Philox4x32-10 on uint32 tensors (mutually broadcastable): the four output words."""
+    m0 = tl.full((), 0xD2511F53, tl.uint32)
+    m1 = tl.full((), 0xCD9E8D57, tl.uint32)
+    w0 = tl.full((), 0x9E3779B9, tl.uint32)
+    w1 = tl.full((), 0xBB67AE85, tl.uint32)
+    for r in tl.static_range(10):
+        if r > 0:
+            k0 = k0 + w0
+            k1 = k1 + w1
+        hi0 = tl.umulhi(c0, m0)
+        lo0 = c0 * m0
+        hi1 = tl.umulhi(c2, m1)
+        lo1 = c2 * m1
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def _lo32(x):
+    """Low 32 bits of an int64 as uint32."""
+    return (x & 0xFFFFFFFF).to(tl.uint32)
+
+
+@triton.jit
+def _hi32(x):
+    """High 32 bits of an int64 as uint32 (the arithmetic shift's sign bits are masked off)."""
+    return ((x >> 32) & 0xFFFFFFFF).to(tl.uint32)
+
+
+@triton.jit
+def _random_words(seed, pos, stream, start, BLOCK: tl.constexpr):
+    """[BLOCK] uint32 words j = start .. start + BLOCK - 1 of rng._random_words(seed, pos, stream);
+    start must be a multiple of 4. One Philox block per 4 columns, words interleaved into order."""
+    blk = (start // 4 + tl.arange(0, BLOCK // 4)).to(tl.uint32)
+    c1 = _lo32(pos)
+    c3 = _hi32(pos)
+    c2 = (stream + tl.zeros([BLOCK // 4], tl.int32)).to(tl.uint32)  # stream may arrive as a constexpr
+    w0, w1, w2, w3 = _philox(blk, c1, c2, c3, _lo32(seed), _hi32(seed))
+    # join(join(w0, w2), join(w1, w3))[n, i, j] = w_{2i + j}: row-major flattening is column order.
+    return tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), [BLOCK])
+
+
+@triton.jit
+def _log(x, PRECISE: tl.constexpr):
+    if PRECISE:
+        return libdevice.log(x)  # what torch's CUDA log calls (logf)
+    else:
+        # Interpreter (no libdevice): the correctly rounded fp32 result, via float64.
+        return tl.log(x.to(tl.float64)).to(tl.float32)
+
+
+@triton.jit
+def _log1p(x, PRECISE: tl.constexpr):
+    if PRECISE:
+        return libdevice.log1p(x)
+    else:
+        # Interpreter: no log1p. In float64, log(y) * x / (y - 1) with y = 1 + x (Goldberg's trick:
+        # the rounding of y cancels) is far below fp32's precision, so the fp32 result is exact.
+        x64 = x.to(tl.float64)
+        y = 1.0 + x64
+        d = tl.where(y == 1.0, 1.0, y - 1.0)
+        return tl.where(y == 1.0, x64, tl.log(y) * (x64 / d)).to(tl.float32)
+
+
+@triton.jit
+def _gumbel_from_words(words, PRECISE: tl.constexpr):
+    """rng.gumbel's transform: v = open_unit(~w) = 1 - u, noise = -log(-log1p(-v))."""
+    v = ((words ^ 0xFFFFFFFF).to(tl.float32) + 0.5) * 2.3283064365386963e-10  # 2^-32
+    v = tl.minimum(v, 0.99999994039535522)  # largest float32 below 1
+    return -_log(-_log1p(-v, PRECISE), PRECISE)
+
+
+@triton.jit
+def _philox_test_kernel(c_ptr, k_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    c0 = tl.load(c_ptr + 4 * i, mask=m, other=0).to(tl.uint32)
+    c1 = tl.load(c_ptr + 4 * i + 1, mask=m, other=0).to(tl.uint32)
+    c2 = tl.load(c_ptr + 4 * i + 2, mask=m, other=0).to(tl.uint32)
+    c3 = tl.load(c_ptr + 4 * i + 3, mask=m, other=0).to(tl.uint32)
+    k0 = tl.load(k_ptr + 2 * i, mask=m, other=0).to(tl.uint32)
+    k1 = tl.load(k_ptr + 2 * i + 1, mask=m, other=0).to(tl.uint32)
+    w0, w1, w2, w3 = _philox(c0, c1, c2, c3, k0, k1)
+    tl.store(out_ptr + 4 * i, w0.to(tl.int64), mask=m)
+    tl.store(out_ptr + 4 * i + 1, w1.to(tl.int64), mask=m)
+    tl.store(out_ptr + 4 * i + 2, w2.to(tl.int64), mask=m)
+    tl.store(out_ptr + 4 * i + 3, w3.to(tl.int64), mask=m)
+
+
+@triton.jit
+def _gumbel_test_kernel(seeds_ptr, pos_ptr, out_ptr, stream, n, PRECISE: tl.constexpr, BLOCK: tl.constexpr):
+    b = tl.program_id(0)
+    start = tl.program_id(1) * BLOCK
+    seed = tl.load(seeds_ptr + b)
+    pos = tl.load(pos_ptr + b)
+    words = _random_words(seed, pos, stream, start, BLOCK)
+    cols = start + tl.arange(0, BLOCK)
+    tl.store(out_ptr + b * n + cols, _gumbel_from_words(words, PRECISE), mask=cols < n)
+
+
+def _precise(t: Tensor) -> bool:
+    return t.device.type == "cuda"
+
+
+def philox4x32_triton(counter: Tensor, key: Tensor) -> Tensor:
+    """rng.philox4x32 in Triton: counter [n, 4], key [n, 2] int64 words -> [n, 4] int64 words."""
+    _check_device(counter)
+    counter = counter.to(torch.int64).contiguous()
+    key = key.to(device=counter.device, dtype=torch.int64).contiguous()
+    n = counter.shape[0]
+    out = torch.empty(n, 4, dtype=torch.int64, device=counter.device)
+    BLOCK = 256
+    _philox_test_kernel[(triton.cdiv(n, BLOCK),)](counter, key, out, n, BLOCK=BLOCK)
+    return out
+
+
+def gumbel_triton(seeds: Tensor, positions: Tensor, stream: int, n: int) -> Tensor:
+    """rng.gumbel in Triton: [B, n] float32 noise for (seeds[b], positions[b], stream, column)."""
+    _check_device(seeds)
+    seeds = seeds.to(torch.int64).contiguous()
+    positions = positions.to(device=seeds.device, dtype=torch.int64).contiguous()
+    B = seeds.shape[0]
+    out = torch.empty(B, n, dtype=torch.float32, device=seeds.device)
+    BLOCK = 256
+    _gumbel_test_kernel[(B, triton.cdiv(n, BLOCK))](seeds, positions, out, stream, n, PRECISE=_precise(seeds),
+                                                     BLOCK=BLOCK)
+    return out
+
+
+# ------------------------------------------------------------------------ threshold helpers
+@triton.jit
+def _key(x):
+    """Order-preserving int32 key of fp32 values (x < y <=> key(x) < key(y) for non-NaN x, y)."""
+    bits = x.to(tl.int32, bitcast=True)
+    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+
+
+@triton.jit
+def _unkey(k):
+    """Inverse of _key (int32 key -> fp32 value)."""
+    bits = tl.where(k >= 0, k, k ^ 0x7FFFFFFF)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _mass_ge(z_row, V, thr, m, BLOCK_S: tl.constexpr):
+    """Σ exp(z - m) over the row's logits z >= thr (one pass)."""
+    acc = tl.zeros([BLOCK_S], tl.float32)
+    for j0 in range(0, V, BLOCK_S):
+        cols = j0 + tl.arange(0, BLOCK_S)
+        z = tl.load(z_row + cols, mask=cols < V, other=_NEG_INF, cache_modifier=".cg")
+        acc += tl.where((cols < V) & (z >= thr), tl.exp(z - m), 0.0)
+    return tl.sum(acc, 0)
+
+
+@triton.jit
+def _bisect(z_row, V, lo, hi, target, floor, m, n_lo, stop,
+            USE_MASS: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Largest key t in [lo, hi) with F(t) >= target, F(t) = count (or Σ exp(z - m), USE_MASS) of the
+    logits z >= floor whose key is >= t. Requires F(lo) >= target > F(hi) (int64 keys); n_lo = the
+    number of logits >= floor with key >= lo. Each step halves the key interval, then snaps both ends
+    to actual logits, so it ends after about log2(#logits in the interval) passes over the row. With
+    stop > 0 it ends early, once at most `stop` logits are >= lo (a lower bound is all that is needed).
+    Returns (lo, n_lo)."""
+    it = 0
+    while (hi - lo > 1) & (n_lo > stop) & (it < 96):
+        mid = lo + (hi - lo) // 2
+        f = tl.zeros([BLOCK_S], tl.float32)
+        cnt = tl.zeros([BLOCK_S], tl.int32)
+        kmin = tl.zeros([BLOCK_S], tl.int64) + hi
+        kmax = tl.zeros([BLOCK_S], tl.int64) + lo
+        for j0 in range(0, V, BLOCK_S):
+            cols = j0 + tl.arange(0, BLOCK_S)
+            z = tl.load(z_row + cols, mask=cols < V, other=float("-inf"), cache_modifier=".cg")
+            kz = _key(z).to(tl.int64)
+            live = (cols < V) & (z >= floor)
+            ge = live & (kz >= mid)
+            if USE_MASS:
+                f += tl.where(ge, tl.exp(z - m), 0.0)
+            else:
+                f += ge.to(tl.float32)
+            cnt += ge.to(tl.int32)
+            kmin = tl.minimum(kmin, tl.where(ge, kz, hi))
+            kmax = tl.maximum(kmax, tl.where(live & (kz < mid) & (kz >= lo), kz, lo))
+        if tl.sum(f, 0) >= target:
+            lo = tl.min(kmin, 0)  # F(lo) = F(mid): no logit between mid and it
+            n_lo = tl.sum(cnt, 0)
+        else:
+            hi = tl.max(kmax, 0) + 1  # F(hi) = F(mid) < target
+        it += 1
+    return lo, n_lo
+
+
+@triton.jit
+def _gather(z_row, cand_row, V, lb, thr_min, M, CAP: tl.constexpr, BLOCK_S: tl.constexpr):
+    """One pass over the row: copy the logits >= lb (the first CAP of them) to cand_row; returns
+    (their number, Σ exp(z - M) over z >= thr_min)."""
+    n = 0
+    zmin = tl.zeros([BLOCK_S], tl.float32)
+    for j0 in range(0, V, BLOCK_S):
+        cols = j0 + tl.arange(0, BLOCK_S)
+        z = tl.load(z_row + cols, mask=cols < V, other=float("-inf"), cache_modifier=".cg")
+        live = cols < V
+        zmin += tl.where(live & (z >= thr_min), tl.exp(z - M), 0.0)
+        sel = live & (z >= lb)
+        slot = n + tl.cumsum(sel.to(tl.int32), 0) - 1
+        tl.store(cand_row + slot, z, mask=sel & (slot < CAP))
+        n += tl.sum(sel.to(tl.int32), 0)
+    return n, tl.sum(zmin, 0)
+
+
+@triton.jit
+def _sorted_threshold(cand_row, n, thr_min, M, zmin, topk, topp, has_k, has_p, SIZE: tl.constexpr):
+    """(θ, Σ_{z >= θ} exp(z - M)) from the n <= SIZE candidate logits in cand_row, which hold every
+    logit at or above the cut (and the whole top-k set): min-p, top-k (k-th value, ties kept), then
+    top-p on the softmax over the top-k set (or over the min-p-masked row, normaliser zmin), a token
+    dropped once the mass before it reaches top_p — apply_top_k_top_p_min_p's steps."""
+    ci = tl.arange(0, SIZE)
+    s = tl.load(cand_row + ci, mask=ci < n, other=float("-inf"), cache_modifier=".cg")
+    s = tl.sort(s, descending=True)
+    s = tl.where(s >= thr_min, s, float("-inf"))
+    kth = tl.full((), float("-inf"), tl.float32)
+    zn = zmin
+    if has_k:
+        kth = tl.max(tl.where(ci == topk - 1, s, float("-inf")), 0)  # -inf: fewer than k left
+        s = tl.where(s >= kth, s, float("-inf"))
+        zn = tl.sum(tl.exp(s - M), 0)
+    theta = tl.maximum(kth, thr_min)
+    if has_p:
+        p = tl.exp(s - M) / zn
+        before = tl.cumsum(p, 0) - p
+        keep = (before < topp) & (s > float("-inf"))
+        theta = tl.min(tl.where(keep, s, float("inf")), 0)
+    zk = tl.sum(tl.where(s >= theta, tl.exp(s - M), 0.0), 0)
+    return theta, zk
+
+
+@triton.jit
+def _row_threshold(z_row, cand_row, V, NT, part_max_row, M, Z, topk, topp, log_min_p,
+                   NT_PAD: tl.constexpr, CAP: tl.constexpr, SMALL_CAP: tl.constexpr, BLOCK_S: tl.constexpr):
+    """(θ, Σ_{z >= θ} exp(z - M), path) of one sampled row: min-p -> top-k -> top-p as in
+    sampler.apply_top_k_top_p_min_p, the kept set being {z >= θ}. M, Z: max and Σexp(z - M) of the
+    row. path (for tests): 0 no search, 1 sorted candidates, 2 exact bisection."""
+    thr_min = M + log_min_p  # -inf when min-p is off
+    has_k = topk < V
+    has_p = topp < 1.0
+    theta = thr_min
+    zk = Z
+    path = tl.full((), 0, tl.int32)
+    if has_k | has_p:
+        neg_inf_key = _key(tl.full((), float("-inf"), tl.float32)).to(tl.int64)
+        top_key = _key(M).to(tl.int64) + 1  # F(top_key) = 0
+        # 1. A lower bound L for the cut from the tile maxima (a tiny list: sorted in registers).
+        #    top-k: the k-th largest tile maximum is <= the k-th largest logit. top-p: tile maxima
+        #    whose mass reaches top_p (with a margin over rounding; Z >= the min-p-masked normaliser)
+        #    put the cut at or above the smallest of them. The block must hold the whole top-k set
+        #    (its softmax normalises top-p), or, without top-k, every logit above the top-p cut.
+        tt = tl.arange(0, NT_PAD)
+        tmax = tl.load(part_max_row + tt, mask=tt < NT, other=float("-inf"), cache_modifier=".cg")
+        ts = tl.sort(tmax, descending=True)
+        if has_k:
+            lb = tl.max(tl.where(tt == topk - 1, ts, float("-inf")), 0)
+        else:
+            cum = tl.cumsum(tl.where(ts >= thr_min, tl.exp(ts - M), 0.0), 0)
+            lb = tl.max(tl.where(cum >= topp * Z * 1.0001, ts, float("-inf")), 0)
+        lb = tl.maximum(lb, thr_min)
+        n, zmin = _gather(z_row, cand_row, V, lb, thr_min, M, CAP, BLOCK_S)
+        # 2. Too many candidates: raise L by bisection until they fit (or the exact cut is reached).
+        if n > CAP:
+            lo = tl.where(lb > float("-inf"), _key(lb).to(tl.int64), neg_inf_key)
+            if has_k:
+                if topk <= CAP:
+                    lo, n = _bisect(z_row, V, lo, top_key, topk.to(tl.float32), thr_min, M, n, CAP,
+                                    False, BLOCK_S)
+            else:
+                target = tl.minimum(topp * 1.0001, 1.0) * zmin
+                lo, n = _bisect(z_row, V, lo, top_key, target, thr_min, M, n, CAP, True, BLOCK_S)
+            lb = tl.maximum(_unkey(lo.to(tl.int32)), thr_min)
+            if n <= CAP:
+                n, zmin = _gather(z_row, cand_row, V, lb, thr_min, M, CAP, BLOCK_S)
+        if n <= CAP:
+            # 3. Sorted candidates: apply_top_k_top_p_min_p on the head of the sorted row (a short
+            #    sort when the candidates are few, the usual case).
+            path = tl.full((), 1, tl.int32)
+            tl.debug_barrier()  # the buffer was written by other threads of this program
+            if n <= SMALL_CAP:
+                theta, zk = _sorted_threshold(cand_row, n, thr_min, M, zmin, topk, topp, has_k, has_p, SMALL_CAP)
+            else:
+                theta, zk = _sorted_threshold(cand_row, n, thr_min, M, zmin, topk, topp, has_k, has_p, CAP)
+        else:
+            # 4. Exact bisection over the row (huge top_k, or a top-p set larger than CAP).
+            path = tl.full((), 2, tl.int32)
+            theta_k = thr_min
+            zn = zmin
+            if has_k:
+                lo = tl.where(thr_min > float("-inf"), _key(thr_min).to(tl.int64), neg_inf_key)
+                n_live = tl.sum(tl.zeros([BLOCK_S], tl.int32), 0)
+                for j0 in range(0, V, BLOCK_S):
+                    cols = j0 + tl.arange(0, BLOCK_S)
+                    z = tl.load(z_row + cols, mask=cols < V, other=float("-inf"), cache_modifier=".cg")
+                    n_live += tl.sum(((cols < V) & (z >= thr_min)).to(tl.int32), 0)
+                if n_live >= topk:
+                    kth_key, n_live = _bisect(z_row, V, lo, top_key, topk.to(tl.float32), thr_min, M, n_live, 0,
+                                              False, BLOCK_S)
+                    theta_k = tl.maximum(_unkey(kth_key.to(tl.int32)), thr_min)
+                zn = _mass_ge(z_row, V, theta_k, M, BLOCK_S)
+            theta = theta_k
+            if has_p:
+                lo = tl.where(theta_k > float("-inf"), _key(theta_k).to(tl.int64), neg_inf_key)
+                p_key, n_p = _bisect(z_row, V, lo, top_key, topp * zn, theta_k, M, V, 0, True, BLOCK_S)
+                theta = tl.maximum(_unkey(p_key.to(tl.int32)), theta_k)
+            zk = _mass_ge(z_row, V, theta, M, BLOCK_S)
+    else:
+        if log_min_p > float("-inf"):
+            zk = _mass_ge(z_row, V, thr_min, M, BLOCK_S)
+    return theta, zk, path
+
+
+# --------------------------------------------------------------------------------- kernels
+@triton.jit
+def _markov_logits_kernel(
+    base_ptr, stride_base,  # [B, V] slice of the base logits (slot k), fp32, unit column stride
+    prev_ptr, stride_prev,  # [B] previous token (anchor or draft k-1), int64
+    w1_ptr, stride_w1,  # [V, R] Markov W1
+    w2_ptr, stride_w2,  # [R, V] Markov W2ᵀ, unit column stride
+    bias_ptr, stride_bias,  # [B, V] precomputed W1[prev] @ W2ᵀ (BIAS_IN)
+    flags_ptr, temp_ptr, topk_ptr, topp_ptr, lminp_ptr,  # [B] row settings
+    rep_ptr, freq_ptr, pres_ptr, ocnt_ptr, pcnt_ptr,  # penalties ([B] and [B, V] int32 counts)
+    z_ptr,  # [B, V] fp32 scratch: processed logits of sampled rows
+    pmax_ptr, pidx_ptr, pmz_ptr, pse_ptr,  # [B, NT_PAD] tile partials
+    cand_ptr,  # [B, CAP] fp32 scratch
+    row_ptr,  # [B, 4] fp32: θ, max, Σ_kept exp(z - max)
+    cnt_ptr,  # [B] int32 arrival counters (all 0 between launches)
+    tok_ptr, stride_tok,  # [B] int64 output: draft token of greedy rows
+    V, R, NT,
+    HAS_MARKOV: tl.constexpr, HAS_PEN: tl.constexpr, HAS_REP: tl.constexpr,
+    BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, NT_PAD: tl.constexpr, CAP: tl.constexpr,
+    SMALL_CAP: tl.constexpr, BLOCK_S: tl.constexpr, BIAS_IN: tl.constexpr,
+):
+    b = tl.program_id(0)
+    t = tl.program_id(1)
+    flags = tl.load(flags_ptr + b)
+    prob = (flags & 1) != 0
+    sampled = (flags & 2) != 0
+    cols = t * BLOCK_V + tl.arange(0, BLOCK_V)
+    cm = cols < V
+
+    logits = tl.load(base_ptr + b * stride_base + cols, mask=cm, other=_NEG_INF)
+    if BIAS_IN:  # the Markov bias [B, V] was computed by one GEMM for the whole batch
+        logits = logits + tl.load(bias_ptr + b * stride_bias + cols, mask=cm, other=0.0).to(tl.float32)
+    elif HAS_MARKOV:
+        prev = tl.load(prev_ptr + b * stride_prev)
+        acc = tl.zeros([BLOCK_V], tl.float32)
+        for r0 in range(0, R, BLOCK_R):
+            rr = r0 + tl.arange(0, BLOCK_R)
+            rm = rr < R
+            a = tl.load(w1_ptr + prev * stride_w1 + rr, mask=rm, other=0.0).to(tl.float32)
+            w = tl.load(w2_ptr + rr[:, None] * stride_w2 + cols[None, :], mask=rm[:, None] & cm[None, :], other=0.0)
+            acc += tl.sum(a[:, None] * w.to(tl.float32), 0)
+        # markov_w2(markov_w1(prev)) is produced in the weights' dtype, then .float()
+        logits = logits + cast_rtne(acc, w2_ptr.dtype.element_ty).to(tl.float32)
+
+    pl = logits
+    if HAS_PEN:  # sampler.apply_penalties, for probabilistic rows only
+        oc = tl.load(ocnt_ptr + b * V + cols, mask=cm, other=0)
+        if HAS_REP:
+            pc = tl.load(pcnt_ptr + b * V + cols, mask=cm, other=0)
+            rp = tl.load(rep_ptr + b)
+            seen = (pc > 0) | (oc > 0)
+            pl = tl.where(seen, tl.where(pl > 0, tl.math.div_rn(pl, tl.zeros_like(pl) + rp), pl * rp), pl)
+        pl = pl - tl.load(freq_ptr + b) * oc.to(tl.float32) - tl.load(pres_ptr + b) * (oc > 0).to(tl.float32)
+        pl = tl.where(prob, pl, logits)
+
+    # Greedy partials: first arg-max of the tile.
+    tl.store(pmax_ptr + b * NT_PAD + t, tl.max(pl, 0))
+    tl.store(pidx_ptr + b * NT_PAD + t, t * BLOCK_V + tl.argmax(pl, 0))
+    # Sampled rows: temperature-scaled logits to scratch, tile max and Σexp.
+    temp = tl.load(temp_ptr + b)
+    temp = tl.where(sampled, temp, 1.0)
+    z = tl.math.div_rn(pl, tl.zeros_like(pl) + temp)
+    tl.store(z_ptr + b * V + cols, z, mask=cm & sampled)
+    zmax = tl.max(z, 0)
+    tl.store(pmz_ptr + b * NT_PAD + t, zmax)
+    tl.store(pse_ptr + b * NT_PAD + t, tl.sum(tl.exp(z - zmax), 0))
+
+    tl.debug_barrier()
+    arrived = tl.atomic_add(cnt_ptr + b, 1, sem="acq_rel", scope="gpu")
+    if arrived == NT - 1:  # the last program of row b reduces it
+        tl.store(cnt_ptr + b, 0)
+        tt = tl.arange(0, NT_PAD)
+        tm = tt < NT
+        gm = tl.load(pmax_ptr + b * NT_PAD + tt, mask=tm, other=_NEG_INF, cache_modifier=".cg")
+        gi = tl.load(pidx_ptr + b * NT_PAD + tt, mask=tm, other=0, cache_modifier=".cg")
+        best = tl.max(gm, 0)
+        first = tl.min(tl.where(tm & (gm == best), tt, NT_PAD), 0)
+        greedy_tok = tl.sum(tl.where(tt == first, gi, 0), 0)
+        if sampled:
+            mz = tl.load(pmz_ptr + b * NT_PAD + tt, mask=tm, other=_NEG_INF, cache_modifier=".cg")
+            se = tl.load(pse_ptr + b * NT_PAD + tt, mask=tm, other=0.0, cache_modifier=".cg")
+            M = tl.max(mz, 0)
+            Z = tl.sum(tl.where(tm, se * tl.exp(mz - M), 0.0), 0)
+            theta, zk, path = _row_threshold(z_ptr + b * V, cand_ptr + b * CAP, V, NT, pmz_ptr + b * NT_PAD, M, Z,
+                                       tl.load(topk_ptr + b), tl.load(topp_ptr + b), tl.load(lminp_ptr + b),
+                                       NT_PAD, CAP, SMALL_CAP, BLOCK_S)
+            tl.store(row_ptr + b * 4, theta)
+            tl.store(row_ptr + b * 4 + 1, M)
+            tl.store(row_ptr + b * 4 + 2, zk)
+            tl.store(row_ptr + b * 4 + 3, path.to(tl.float32))
+        else:
+            tl.store(tok_ptr + b * stride_tok, greedy_tok.to(tl.int64))
+
+
+@triton.jit
+def _markov_sample_kernel(
+    z_ptr, row_ptr, flags_ptr, seeds_ptr, pos_ptr, stream,
+    q_ptr, stride_q,  # [B, V] slice of q (slot k); written when WRITE_Q
+    pmax_ptr, pidx_ptr, cnt_ptr,
+    tok_ptr, stride_tok,  # [B] int64: read (greedy rows' token, for one-hot q) and written (sampled rows)
+    V, NT,
+    WRITE_Q: tl.constexpr, PRECISE: tl.constexpr, BLOCK_V: tl.constexpr, NT_PAD: tl.constexpr,
+):
+    b = tl.program_id(0)
+    t = tl.program_id(1)
+    flags = tl.load(flags_ptr + b)
+    prob = (flags & 1) != 0
+    sampled = (flags & 2) != 0
+    cols = t * BLOCK_V + tl.arange(0, BLOCK_V)
+    cm = cols < V
+    if sampled:
+        theta = tl.load(row_ptr + b * 4)
+        M = tl.load(row_ptr + b * 4 + 1)
+        zk = tl.load(row_ptr + b * 4 + 2)
+        z = tl.load(z_ptr + b * V + cols, mask=cm, other=_NEG_INF)
+        kept = cm & (z >= theta)
+        if WRITE_Q:
+            tl.store(q_ptr + b * stride_q + cols, tl.where(kept, tl.exp(z - M) / zk, 0.0), mask=cm)
+        words = _random_words(tl.load(seeds_ptr + b), tl.load(pos_ptr + b), stream, t * BLOCK_V, BLOCK_V)
+        score = tl.where(kept, z + _gumbel_from_words(words, PRECISE), _NEG_INF)
+        tl.store(pmax_ptr + b * NT_PAD + t, tl.max(score, 0))
+        tl.store(pidx_ptr + b * NT_PAD + t, t * BLOCK_V + tl.argmax(score, 0))
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr + b, 1, sem="acq_rel", scope="gpu")
+        if arrived == NT - 1:
+            tl.store(cnt_ptr + b, 0)
+            tt = tl.arange(0, NT_PAD)
+            tm = tt < NT
+            sm = tl.load(pmax_ptr + b * NT_PAD + tt, mask=tm, other=_NEG_INF, cache_modifier=".cg")
+            si = tl.load(pidx_ptr + b * NT_PAD + tt, mask=tm, other=0, cache_modifier=".cg")
+            best = tl.max(sm, 0)
+            first = tl.min(tl.where(tm & (sm == best), tt, NT_PAD), 0)
+            tl.store(tok_ptr + b * stride_tok, tl.sum(tl.where(tt == first, si, 0), 0).to(tl.int64))
+    else:
+        if WRITE_Q:  # one-hot for probabilistic rows at temperature 0, zeros for the others
+            tok = tl.load(tok_ptr + b * stride_tok)
+            tok = tl.where(prob, tok, -1)
+            tl.store(q_ptr + b * stride_q + cols, (cols == tok).to(tl.float32), mask=cm)
+
+
+# --------------------------------------------------------------------------------- wrappers
+def _as_row_mask(probabilistic, prob_mask: Tensor | None, B: int, device) -> tuple[Tensor, bool]:
+    if isinstance(probabilistic, Tensor):
+        raise TypeError("pass probabilistic as a list of bools (its any() must be known on the host)")
+    flags = list(probabilistic)
+    if len(flags) != B:
+        raise ValueError(f"probabilistic has {len(flags)} entries for {B} rows")
+    if prob_mask is None:  # a host-to-device copy (pageable: not capturable in a CUDA graph)
+        prob_mask = torch.tensor(flags, dtype=torch.bool).to(device, non_blocking=True)
+    return prob_mask.to(device=device, dtype=torch.bool), any(flags)
+
+
+def markov_sample(
+    base_logits: Tensor,
+    anchors: Tensor,
+    w1: Tensor | None,
+    w2_t: Tensor | None,
+    batch: SamplingBatch,
+    key_positions: Tensor,
+    probabilistic: list[bool],
+    *,
+    block_v: int = 256,
+    cap: int = 2048,
+    num_warps: int = 4,
+    prob_mask: Tensor | None = None,
+    bias_gemm: bool | None = None,
+    _paths: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """Draft N tokens per row with the Markov head, fused (see the module docstring).
+
+    base_logits [B, N, V] fp32; anchors [B] int64; w1 [V, r] and w2_t [r, V] (``markov_w1.weight``,
+    ``markov_w2.weight_t``; None for a drafter without a Markov head); batch: the rows' SamplingBatch;
+    key_positions [B] int64: the position the draft noise is keyed by (anchor position + 1);
+    probabilistic: per row, whether it drafts by sampling (else argmax of the logits).
+    Returns (tokens [B, N] int64, q [B, N, V] fp32 or None when no row is probabilistic), the same as
+    ``markov_sample_reference``. ``cap`` bounds the sorted candidate buffer of top-k/top-p rows.
+    ``prob_mask``: optionally the same flags as a [B] bool tensor already on the device (saves a
+    host-to-device copy, e.g. inside a CUDA graph). ``bias_gemm``: compute each slot's Markov bias
+    with one torch GEMM for the whole batch instead of inside the kernel (default: from 4 rows on,
+    where re-reading W2 per row costs more than the extra launch).
+    ``_paths`` (tests): a [B, N] int32 tensor that receives, for sampled rows, how θ was found
+    (0 no filter search, 1 sorted candidates, 2 bisection); -1 for other rows.
+    """
+    _check_device(base_logits)
+    B, N, V = base_logits.shape
+    dev = base_logits.device
+    if base_logits.dtype != torch.float32:
+        raise TypeError("base_logits must be float32 (the drafter's lm_head output)")
+    if base_logits.stride(-1) != 1:
+        base_logits = base_logits.contiguous()
+    prob, any_prob = _as_row_mask(probabilistic, prob_mask, B, dev)
+    tokens = torch.empty(B, N, dtype=torch.int64, device=dev)
+    probs = torch.empty(B, N, V, dtype=torch.float32, device=dev) if any_prob else None
+    if B == 0 or N == 0:
+        return tokens, probs
+
+    has_markov = w1 is not None and w2_t is not None and w1.shape[-1] > 0
+    if has_markov:
+        R = w1.shape[1]
+        if w1.stride(1) != 1:
+            w1 = w1.contiguous()
+        if w2_t.stride(1) != 1:
+            w2_t = w2_t.contiguous()
+    else:
+        R = 1
+        w1 = w2_t = base_logits  # never read
+    temperature = batch.temperature.to(device=dev, dtype=torch.float32)
+    flags = prob.to(torch.int32) | ((prob & (temperature > 0)).to(torch.int32) << 1)
+    top_k = batch.top_k.to(dev).clamp(max=V).to(torch.int32)
+    top_p = batch.top_p.to(device=dev, dtype=torch.float32)
+    log_min_p = batch.min_p.to(device=dev, dtype=torch.float32).log()
+    seeds = batch.seeds.to(dev)
+    key_positions = key_positions.to(device=dev, dtype=torch.int64)
+    has_pen = any_prob and not batch.no_penalties
+    has_rep = has_pen and batch.prompt_counts is not None
+    if has_pen:
+        rep, freq, pres = batch.repetition_penalty, batch.frequency_penalty, batch.presence_penalty
+        ocnt = batch.output_counts.to(torch.int32).contiguous()
+        pcnt = batch.prompt_counts.to(torch.int32).contiguous() if has_rep else ocnt
+    else:
+        rep = freq = pres = temperature
+        ocnt = pcnt = flags
+
+    if bias_gemm is None:
+        bias_gemm = B >= 4
+    if cap < 2 or cap & (cap - 1):
+        raise ValueError(f"cap must be a power of two >= 2, got {cap}")
+    small_cap = min(cap, max(16, min(256, cap // 4)))  # sort size when the candidates are few
+    NT = triton.cdiv(V, block_v)
+    NT_PAD = _next_pow2(NT)
+    BLOCK_R = min(_next_pow2(R), 32)
+    f32 = dict(dtype=torch.float32, device=dev)
+    z = torch.empty(B if any_prob else 1, V, **f32)
+    pmax = torch.empty(B, NT_PAD, **f32)
+    pidx = torch.empty(B, NT_PAD, dtype=torch.int32, device=dev)
+    pmz = torch.empty(B, NT_PAD, **f32)
+    pse = torch.empty(B, NT_PAD, **f32)
+    cand = torch.empty(B if any_prob else 1, cap, **f32)
+    row = torch.empty(B, 4, **f32)
+    cnt = torch.zeros(B, dtype=torch.int32, device=dev)
+    precise = dev.type == "cuda"
+    # No fused multiply-adds on the GPU: the penalty arithmetic must round like torch's separate ops.
+    opts = {"enable_fp_fusion": False} if precise else {}
+
+    for k in range(N):
+        prev = anchors if k == 0 else tokens[:, k - 1]
+        base_k = base_logits[:, k]
+        tok_k = tokens[:, k]
+        # Several rows: one GEMM reads W2 once for all of them (the in-kernel mat-vec would re-read
+        # it per row); it is also bit for bit the reference's bias.
+        bias = torch.matmul(F.embedding(prev, w1), w2_t) if has_markov and bias_gemm else None
+        bias_arg = bias if bias is not None else base_k
+        _markov_logits_kernel[(B, NT)](
+            base_k, base_k.stride(0), prev, prev.stride(0), w1, w1.stride(0), w2_t, w2_t.stride(0),
+            bias_arg, bias_arg.stride(0),
+            flags, temperature, top_k, top_p, log_min_p, rep, freq, pres, ocnt, pcnt,
+            z, pmax, pidx, pmz, pse, cand, row, cnt, tok_k, tok_k.stride(0),
+            V, R, NT,
+            HAS_MARKOV=has_markov, HAS_PEN=has_pen, HAS_REP=has_rep,
+            BLOCK_V=block_v, BLOCK_R=BLOCK_R, NT_PAD=NT_PAD, CAP=cap, SMALL_CAP=small_cap, BLOCK_S=1024,
+            BIAS_IN=bias is not None,
+            num_warps=num_warps, **opts,
+        )
+        if _paths is not None:
+            _paths[:, k] = torch.where((flags & 2) != 0, row[:, 3].to(torch.int32), -1)
+        if any_prob:
+            q_k = probs[:, k]
+            _markov_sample_kernel[(B, NT)](
+                z, row, flags, seeds, key_positions, draft_stream(k), q_k, q_k.stride(0),
+                pmax, pidx, cnt, tok_k, tok_k.stride(0), V, NT,
+                WRITE_Q=True, PRECISE=precise, BLOCK_V=block_v, NT_PAD=NT_PAD, num_warps=num_warps, **opts,
+            )
+    return tokens, probs
+
+
+def markov_sample_reference(
+    base_logits: Tensor,
+    anchors: Tensor,
+    w1: Tensor | None,
+    w2_t: Tensor | None,
+    batch: SamplingBatch,
+    key_positions: Tensor,
+    probabilistic: list[bool],
+) -> tuple[Tensor, Tensor | None]:
+    """The Markov loop of DSparkProposer.propose with the existing PyTorch code paths (same
+    arguments and results as ``markov_sample``)."""
+    B, N, V = base_logits.shape
+    dev = base_logits.device
+    prob_rows = torch.tensor(list(probabilistic), dtype=torch.bool, device=dev)
+    any_prob = any(probabilistic)
+    tokens = torch.empty(B, N, dtype=torch.long, device=dev)
+    probs = torch.zeros(B, N, V, device=dev) if any_prob else None
+    step_batch = replace(batch, positions=key_positions)
+    sampler = Sampler()
+    prev = anchors
+    for k in range(N):
+        if w1 is None or w2_t is None:
+            logits = base_logits[:, k] + torch.zeros((), device=dev)
+        else:  # DSparkDrafter.markov_bias: markov_w2(markov_w1(prev)).float()
+            logits = base_logits[:, k] + torch.matmul(F.embedding(prev, w1), w2_t).float()
+        tok = logits.argmax(dim=-1)
+        if any_prob:
+            q = compute_probs(logits, step_batch)
+            sampled = sampler(logits, step_batch, stream=draft_stream(k))
+            tok = torch.where(prob_rows, sampled, tok)
+            probs[:, k] = torch.where(prob_rows[:, None], q, 0.0)
+        tokens[:, k] = tok
+        prev = tok
+    return tokens, probs
+
+
+__all__ = ["markov_sample", "markov_sample_reference", "philox4x32_triton", "gumbel_triton"]
