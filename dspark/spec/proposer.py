@@ -124,8 +124,9 @@ class DSparkProposerFactory:
 
         if spec.model is None:
             raise SpeculativeConfigError(
-                "speculative config has no 'model': a drafter stored inside the target checkpoint is only "
-                "supported for DeepSeek-V4 (not yet); give the drafter directory"
+                "speculative config has no 'model' and dspark ships no drafter for this target (a drafter "
+                "stored inside the target checkpoint is only supported for DeepSeek-V4, not yet); give the "
+                "drafter directory"
             )
         p = Path(spec.model)
         if not (p / "config.json").is_file():

@@ -42,6 +42,9 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     o = t.add_argument_group("optimisation")
     o.add_argument("--steps", type=int, default=2000, help="optimizer steps (upper bound with --time-budget-s)")
     o.add_argument("--time-budget-s", type=float, default=None, help="fit the step count and the schedule to this time")
+    o.add_argument("--stop-after-s", type=float, default=None,
+                   help="end this invocation after this many seconds (checkpoint saved; --resume continues the "
+                        "same schedule)")
     o.add_argument("--batch-size", type=int, default=8, help="sequences per step")
     o.add_argument("--seq-len", type=int, default=1024, help="sequences are cut to their first SEQ_LEN tokens")
     o.add_argument("--anchors-per-seq", type=int, default=128, help="blocks sampled per sequence per step")
@@ -80,8 +83,8 @@ def cmd_train(a: argparse.Namespace) -> int:
         out=str(out), data=str(data), eval_data=None if eval_data is None else str(eval_data), model=a.model,
         block_size=a.block_size, num_layers=a.num_layers, markov_rank=a.markov_rank,
         target_layer_ids=[int(x) for x in a.target_layer_ids.split(",")] if a.target_layer_ids else None,
-        mask_token_id=a.mask_token_id, steps=a.steps, time_budget_s=a.time_budget_s, batch_size=a.batch_size,
-        seq_len=a.seq_len, anchors_per_seq=a.anchors_per_seq, lr=a.lr, warmup_frac=a.warmup_frac,
+        mask_token_id=a.mask_token_id, steps=a.steps, time_budget_s=a.time_budget_s, stop_after_s=a.stop_after_s,
+        batch_size=a.batch_size, seq_len=a.seq_len, anchors_per_seq=a.anchors_per_seq, lr=a.lr, warmup_frac=a.warmup_frac,
         grad_clip=a.grad_clip, eval_every=a.eval_every, eval_seqs=a.eval_seqs, save_every=a.save_every,
         log_every=a.log_every, seed=a.seed, device=a.device, save_dtype=a.save_dtype, resume=a.resume,
         extra={"data_generation": generation},

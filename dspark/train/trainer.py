@@ -53,6 +53,7 @@ class TrainConfig:
     mask_token_id: int = 16  # SmolLM2's <empty_output>
     steps: int = 2000  # optimizer steps (an upper bound when time_budget_s is set)
     time_budget_s: float | None = None  # fit the step count (and the cosine) to this wall time
+    stop_after_s: float | None = None  # end this invocation then (checkpoint saved; --resume goes on, same schedule)
     batch_size: int = 8  # sequences per step
     seq_len: int = 1024  # sequences are cut to their first seq_len tokens
     anchors_per_seq: int = 128  # K: blocks per sequence per step
@@ -271,7 +272,9 @@ class Trainer:
         t_log, s_log = time.perf_counter(), self.step
         try:
             while self.step < self.total_steps:
-                if cfg.time_budget_s is not None and time.perf_counter() - t_start > cfg.time_budget_s:
+                elapsed = time.perf_counter() - t_start
+                if (cfg.time_budget_s is not None and elapsed > cfg.time_budget_s) or (
+                        cfg.stop_after_s is not None and elapsed > cfg.stop_after_s):
                     stopped_early = True
                     break
                 out, lr, gnorm = self._optimizer_step()

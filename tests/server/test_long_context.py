@@ -9,7 +9,7 @@ Size: the issue asks for ~3,000-6,000 tokens per request. On a 2-core CPU that i
 the reference attention backend pads a mixed prefill/decode batch to [requests, longest query chunk,
 longest context], so 16 concurrent 6,000-token prompts cost ~16x the attention work of running them
 one at a time (see docs/server.md). By default the haystacks are therefore 600-1,000 tokens;
-``DSPARK_LONGCTX_TOKENS=3000,6000`` runs the full size (on a GPU), and ``DSPARK_TEST_SPEC_CONFIG='{"model":
+``DSPARK_LONGCTX_TOKENS=3000,6000 DSPARK_TEST_DEVICE=cuda`` runs the full size on a GPU (still fp32), and ``DSPARK_TEST_SPEC_CONFIG='{"model":
 "DRAFTER_DIR"}'`` runs it with speculation on.
 """
 
@@ -42,7 +42,8 @@ def long_server(tmp_path_factory):
     spec = os.environ.get("DSPARK_TEST_SPEC_CONFIG")  # a trained drafter: run the recall test speculating
     srv = start_server(tmp_path_factory, "long_ctx", [
         "--max-model-len", "8192", "--kv-cache-memory-gb", f"{kv_gb:.2f}", "--max-num-seqs", str(N),
-        "--max-num-batched-tokens", "2048", "--no-enable-prefix-caching", "--dtype", "float32", "--device", "cpu",
+        "--max-num-batched-tokens", "2048", "--no-enable-prefix-caching", "--dtype", "float32",
+        "--device", os.environ.get("DSPARK_TEST_DEVICE", "cpu"),
         *(["--speculative-config", spec] if spec else []),
     ])
     yield srv

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Second call of a two-call GPU session (the first copies .model/smollm.gguf.part_aa to /tmp): joins the
+# GGUF, installs the carried wheels (.whl/: gguf; .whl/serve/: the server's dependencies for Python 3.12),
+# then runs, each bounded by a timeout, and writes every log/JSON to $OUT:
+#   1. the long-context recall test at full size (3,000-6,000 tokens, 16 concurrent vs serial) on the GPU,
+#      speculating with the shipped drafter;
+#   2. `dspark bench serve` against `dspark serve` on the GPU, without and with DSpark;
+#   3. the Triton kernel benchmarks (benchmarks/kernel_*_bench.py).
+set -uo pipefail
+if [ ! -f /tmp/smollm.gguf ]; then
+  cp .model/smollm.gguf.part_ab /tmp/ && cat /tmp/smollm.gguf.part_aa /tmp/smollm.gguf.part_ab > /tmp/smollm.gguf
+fi
+echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  /tmp/smollm.gguf" | sha256sum -c || exit 1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl .whl/serve/*.whl
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 DSPARK_SMOLLM2_GGUF=/tmp/smollm.gguf TQDM_DISABLE=1
+cp .model/sharegpt_prompts.json.gz /tmp/ 2>/dev/null
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
+STEPS=${STEPS:-longctx serve kernels}
+DEV=${DEV:-cuda}
+FINAL_OUT=$OUT
+OUT=/tmp/gpu_session; rm -rf $OUT; mkdir -p $OUT  # packed into one archive at the end (8 files come back at most)
+T0=$SECONDS
+for step in $STEPS; do
+  echo "=== $step at $((SECONDS - T0))s"
+  case $step in
+  longctx)
+    DSPARK_LONGCTX_TOKENS=3000,6000 DSPARK_TEST_DEVICE=cuda DSPARK_TEST_SPEC_CONFIG='{"method": "dspark"}' \
+      timeout 240 python3 -m pytest tests/server/test_long_context.py -s -x -q -p no:cacheprovider \
+      > "$OUT/longctx.log" 2>&1; echo "longctx rc=$?"; grep -E "recall|passed|failed|Error" "$OUT/longctx.log" | head -5 ;;
+  serve)
+    python3 -c "
+import json
+from dspark.train.data import heldout_prompts
+with open('/tmp/heldout.jsonl', 'w') as f:
+    for p in heldout_prompts(None, '/tmp/sharegpt_prompts.json.gz'):
+        f.write(json.dumps({'prompt': p}) + '\n')"
+    for mode in plain dspark; do
+      spec=(); [ $mode = dspark ] && spec=(--speculative-config '{"method": "dspark"}')
+      python3 -m dspark.cli serve --device $DEV --port 8011 --max-num-seqs 64 "${spec[@]}" > "$OUT/serve_$mode.log" 2>&1 &
+      pid=$!
+      python3 -c "
+import time, urllib.request
+for _ in range(240):
+    try:
+        urllib.request.urlopen('http://127.0.0.1:8011/health', timeout=2); break
+    except Exception:
+        time.sleep(0.5)"
+      timeout 100 python3 -m dspark.cli bench serve --port 8011 --dataset-path /tmp/heldout.jsonl --num-prompts 128 \
+        --max-concurrency 32 --max-tokens 128 --json "$OUT/bench_serve_$mode.json" > "$OUT/bench_serve_$mode.log" 2>&1
+      echo "bench serve $mode rc=$?"; tail -n 14 "$OUT/bench_serve_$mode.log"
+      kill $pid; wait $pid 2>/dev/null
+    done ;;
+  kernels)
+    for k in attention ops; do
+      [ -f benchmarks/kernel_${k}_bench.py ] || continue
+      timeout 100 python3 benchmarks/kernel_${k}_bench.py --out "$OUT/kernel_$k.json" > "$OUT/kernel_$k.log" 2>&1
+      echo "kernel $k rc=$?"; tail -n 30 "$OUT/kernel_$k.log"
+    done ;;
+  esac
+done
+echo "=== done at $((SECONDS - T0))s"
+tar -C $OUT -czf "$FINAL_OUT/gpu_session.tar.gz" .

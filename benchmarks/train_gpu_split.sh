@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Train DSpark drafters for SmolLM2-135M-Instruct with block sizes 5 and 7 side by side on the H200,
+# split over two device calls (each is limited to 10 minutes; /tmp survives between calls made within
+# the machine's idle window). Usage, run from the repo root with $OUT set:
+#   call A: bash benchmarks/train_gpu_split.sh gen+train   regenerate data, train both runs until the deadline
+#   call B: bash benchmarks/train_gpu_split.sh train+eval  resume both to the end of their schedules, then τ
+# Needs /tmp/smollm.gguf (joined from the .model/ halves if absent) and the gguf wheel in .whl/ (call A).
+# $OUT receives the drafter shards as <run>-<file> plus meta.tar.gz with everything else (the device
+# returns at most 8 files). Environment knobs: GEN_S (regeneration seconds), TRAIN_S (training seconds
+# over both calls, the schedule is fitted to it), DEADLINE_S (per call), EVAL_PROMPTS, EVAL_TOKENS.
+set -euo pipefail
+MODE=${1:?gen+train or train+eval}
+GEN_S=${GEN_S:-150}
+TRAIN_S=${TRAIN_S:-660}
+DEADLINE_S=${DEADLINE_S:-550}
+EVAL_PROMPTS=${EVAL_PROMPTS:-64}
+EVAL_TOKENS=${EVAL_TOKENS:-256}
+RUNS="5 7"
+if [ ! -f /tmp/smollm.gguf ]; then
+  cp .model/smollm.gguf.part_ab /tmp/ && cat /tmp/smollm.gguf.part_aa /tmp/smollm.gguf.part_ab > /tmp/smollm.gguf
+fi
+echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  /tmp/smollm.gguf" | sha256sum -c
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TQDM_MININTERVAL=15
+PROMPTS=/tmp/sharegpt_prompts.json.gz
+[ -f .model/sharegpt_prompts.json.gz ] && cp .model/sharegpt_prompts.json.gz $PROMPTS
+RES=/tmp/dspark_results
+mkdir -p $RES
+# EXTRA: flags for every phase (a CPU dry run: EXTRA="--device cpu --num-prompts 8 ..." ).
+# shellcheck disable=SC2206
+COMMON=(--model /tmp/smollm.gguf --out $RES --work /tmp/dspark_train --prompt-source $PROMPTS ${EXTRA:-})
+command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
+
+train_all() {  # $1: extra flags, $2: seconds kept after training; runs stop by the call's deadline
+  local stop=$((DEADLINE_S - SECONDS - 40 - $2))
+  for b in $RUNS; do
+    python3 benchmarks/train_gpu.py "${COMMON[@]}" --phase train --run b$b --block-size $b \
+      --train-budget-s "$TRAIN_S" --stop-after-s $stop $1 > $RES/train_b$b.$MODE.log 2>&1 &
+  done
+  wait
+  tail -n 3 $RES/train_b*.$MODE.log
+}
+
+if [ "$MODE" = gen+train ]; then
+  python3 benchmarks/train_gpu.py "${COMMON[@]}" --phase gen --gen-budget-s "$GEN_S" \
+    --gen-max-num-seqs 512 --gen-kv-cache-gb 16 2>&1 | tee $RES/gen.log
+  train_all "" 0
+else
+  train_all --resume 120
+  for b in $RUNS; do
+    python3 benchmarks/train_gpu.py "${COMMON[@]}" --phase eval --run b$b --eval-prompts "$EVAL_PROMPTS" \
+      --eval-max-tokens "$EVAL_TOKENS" > $RES/eval_b$b.log 2>&1 &
+  done
+  wait
+  tail -n 2 $RES/eval_b*.log
+fi
+# pack: shards as separate files (each ≤ 16 MiB), the rest in one archive
+for b in $RUNS; do
+  for f in $RES/b$b/drafter/*.safetensors; do [ -f "$f" ] && cp "$f" "$OUT/b$b-$(basename "$f")"; done
+done
+tar -C $RES -czf "$OUT/meta.tar.gz" --exclude='*.safetensors' .
+ls -la "$OUT"

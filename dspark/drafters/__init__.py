@@ -1,0 +1,37 @@
+"""DSpark drafters shipped inside the package (DeepSpec format, one directory per target).
+
+No DSpark drafter for SmolLM2-135M-Instruct exists anywhere, so dspark trains one
+(``benchmarks/train_gpu_split.sh``, docs/training.md) and ships it here; its model card is the
+``README.md`` next to the weights. ``dspark generate`` / ``dspark serve`` / ``make run`` speculate with
+it by default when the target is the embedded default model (``--no-spec`` turns that off).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+_HERE = Path(__file__).resolve().parent
+# target name (as the loader resolves it) -> directory under dspark/drafters
+SHIPPED = {"smollm2-135m-instruct": "smollm2-135m-instruct"}
+
+
+def shipped_drafter(model: str | None) -> Path | None:
+    """The shipped drafter directory for ``model`` (None = the default model), or None if dspark ships
+    none for it (or its weights are missing from this installation)."""
+    from dspark.models.loader import DEFAULT_MODEL
+
+    name = (model or DEFAULT_MODEL).lower()
+    sub = SHIPPED.get(name)
+    if sub is None:
+        return None
+    d = _HERE / sub
+    return d if (d / "config.json").is_file() and any(d.glob("*.safetensors")) else None
+
+
+def default_speculative_config(model: str | None) -> dict | None:
+    """The speculative config used when none is given: the shipped drafter, probabilistic drafting
+    (greedy requests still draft the argmax; sampled ones draft from the Markov-corrected q)."""
+    d = shipped_drafter(model)
+    if d is None:
+        return None
+    return {"method": "dspark", "model": str(d), "draft_sample_method": "probabilistic"}
