@@ -68,19 +68,23 @@ _SM_COUNT: dict[int, int] = {}
 
 
 def default_num_splits(num_programs: int, device: torch.device, max_seq_len: int | None, block_n: int) -> int:
-    """How many slices of the key range each (request, KV head) program gets: enough programs to give
-    every SM about one, each slice at least 4 key tiles of the longest context the caller expects.
-    A power of two (each value is one more compiled kernel). 1 off the GPU."""
+    """How many slices of the key range each (request, KV head) program gets: up to about 4 programs
+    per SM, each slice at least one key tile of the longest context the caller expects. A power of
+    two, at most 32 (each value is one more compiled kernel). 1 off the GPU.
+
+    Measured on an H200 (SmolLM2 shapes, bf16, context 4k): decode at batch 8 took 67.6 µs unsplit,
+    23.4 µs with 4 slices, 12.5 µs with 16; at batch 32, 93.4 µs unsplit and 39.9 µs with 4 slices,
+    about the same with 8 or 16."""
     if device.type != "cuda":
         return 1
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _SM_COUNT:
         _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
     splits = 1
-    while splits < 32 and num_programs * splits * 2 <= _SM_COUNT[idx]:
+    while splits < 32 and num_programs * splits * 2 <= 4 * _SM_COUNT[idx]:
         splits *= 2
     if max_seq_len is not None:
-        while splits > 1 and max_seq_len < splits * block_n * 4:
+        while splits > 1 and max_seq_len < splits * block_n:
             splits //= 2
     return splits
 
@@ -304,7 +308,7 @@ def paged_attention(
     block_m = min(next_pow2(max(16, mq * G)), max(64, next_pow2(G)))
     block_q = block_m // G
     q_programs = -(-mq // block_q) if max_query_len is not None else 1
-    block_n = block_n or 64
+    block_n = block_n or (64 if block_m == 16 else 128)  # bigger query tiles amortise bigger key tiles
     splits = num_splits or default_num_splits(B * Hkv * q_programs, q.device, max_seq_len, block_n)
     if splits == 1:
         target, lse = out, out  # lse unused
