@@ -38,6 +38,7 @@ from dspark.train.model import LOSS_WEIGHTS, POSITION_DECAY, LossOutput, trainin
 
 ADAM_BETAS = (0.9, 0.999)
 ADAM_EPS = 1e-8
+REPLAN_AT = 50  # real steps after which a time-budgeted run fits its step count again
 
 
 @dataclass
@@ -270,8 +271,23 @@ class Trainer:
         last: dict[str, Any] = {}
         stopped_early = False
         t_log, s_log = time.perf_counter(), self.step
+        # The planner's timing passes misjudge the real step time (2.6-10x too slow on the H200, where
+        # both a fresh process and a GPU shared by another run skew them), so once REPLAN_AT real steps
+        # have run, the step count is fitted again from their measured pace (still in the warm-up).
+        replan_at = REPLAN_AT if cfg.time_budget_s is not None and self.step == 0 else None
+        t_loop, eval_s = time.perf_counter(), 0.0
         try:
             while self.step < self.total_steps:
+                if self.step == replan_at:
+                    now = time.perf_counter()
+                    per_step = (now - t_loop - eval_s) / self.step
+                    eval_cost = math.ceil(len(self.eval_idx) / cfg.batch_size) * per_step / 2
+                    left = cfg.time_budget_s - (now - t_start) - eval_cost
+                    per = per_step + (eval_cost / cfg.eval_every if cfg.eval_every else 0)
+                    self.total_steps = max(self.step + 1, min(cfg.steps, self.step + int(0.97 * left / per)))
+                    bar.total = self.total_steps
+                    self._log({"step": self.step, "replanned_total_steps": self.total_steps,
+                               "measured_s_per_step": per_step})
                 elapsed = time.perf_counter() - t_start
                 if (cfg.time_budget_s is not None and elapsed > cfg.time_budget_s) or (
                         cfg.stop_after_s is not None and elapsed > cfg.stop_after_s):
@@ -288,7 +304,9 @@ class Trainer:
                     bar.set_postfix(loss=f"{last['loss']:.3f}", tau=f"{last['tau_prob']:.2f}")
                 periodic_eval = cfg.eval_every and self.step % cfg.eval_every == 0
                 if self.eval_idx and periodic_eval and self.step < self.total_steps:
+                    t_eval = time.perf_counter()
                     ev = self.evaluate()
+                    eval_s += time.perf_counter() - t_eval
                     self._log({"step": self.step, **ev})
                     bar.write(f"step {self.step}: held-out tau_prob {ev['heldout_tau_prob']:.3f} "
                               f"accept {ev['heldout_accept']}")

@@ -363,6 +363,35 @@ def test_resume_after_interrupt_matches_an_uninterrupted_run(target, token_files
     assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
 
 
+def test_time_budget_refits_the_step_count_from_real_steps(target, token_files, tmp_path, monkeypatch):
+    """The planner's estimate is replaced after REPLAN_AT real steps by one from their measured pace; a
+    split run (stop_after_s, then resume) keeps the schedule."""
+    monkeypatch.setattr(trainer_mod, "REPLAN_AT", 4)
+    planned = {}
+    real_plan = Trainer._plan_steps
+
+    def plan_too_few(self, budget_s):  # as if the timing passes were 20x too slow
+        planned["n"] = real_plan(self, budget_s)
+        return max(5, planned["n"] // 20)
+
+    monkeypatch.setattr(Trainer, "_plan_steps", plan_too_few)
+    out = tmp_path / "run"
+    final = Trainer(_cfg(target, token_files, out, steps=10_000, time_budget_s=8.0, eval_data=None)).train()
+    log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
+    replan = [r for r in log if "replanned_total_steps" in r]
+    assert len(replan) == 1 and replan[0]["step"] == 4
+    assert final["total_steps"] == replan[0]["replanned_total_steps"] > max(5, planned["n"] // 20)
+    assert final["steps"] >= 0.5 * final["total_steps"]  # the budget fits (loosely: the pace is noisy)
+
+    # stop_after_s ends a call early with a checkpoint; resume finishes the same schedule
+    monkeypatch.undo()
+    out2 = tmp_path / "split"
+    first = Trainer(_cfg(target, token_files, out2, steps=30, stop_after_s=0.0, eval_data=None)).train()
+    assert first["steps"] == 0 and first["stopped_at_time_budget"]
+    done = Trainer(_cfg(target, token_files, out2, steps=999, resume=True, eval_data=None)).train()
+    assert done["steps"] == done["total_steps"] == 30
+
+
 def test_train_cli_records_the_command(target, token_files, tmp_path):
     p = argparse.ArgumentParser()
     add_train_parser(p.add_subparsers(dest="command"))
