@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Second call of a two-call GPU session (the first copies .model/smollm.gguf.part_aa to /tmp): joins the
+# The last call of a GPU session (earlier calls bring the GGUF pieces: benchmarks/gguf_pieces.sh): joins the
 # GGUF, installs the carried wheels (.whl/: gguf; .whl/serve/: the server's dependencies for Python 3.12),
 # then runs, each bounded by a timeout, and writes every log/JSON to $OUT:
 #   1. the long-context recall test at full size (3,000-6,000 tokens, 16 concurrent vs serial) on the GPU,
@@ -7,10 +7,8 @@
 #   2. `dspark bench serve` against `dspark serve` on the GPU, without and with DSpark;
 #   3. the Triton kernel benchmarks (benchmarks/kernel_*_bench.py).
 set -uo pipefail
-if [ ! -f /tmp/smollm.gguf ]; then
-  cp .model/smollm.gguf.part_ab /tmp/ && cat /tmp/smollm.gguf.part_aa /tmp/smollm.gguf.part_ab > /tmp/smollm.gguf
-fi
-echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  /tmp/smollm.gguf" | sha256sum -c || exit 1
+bash benchmarks/gguf_pieces.sh  # joins the GGUF from the pieces carried so far
+[ -f /tmp/smollm.gguf ] || exit 1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl .whl/serve/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 DSPARK_SMOLLM2_GGUF=/tmp/smollm.gguf TQDM_DISABLE=1
 cp .model/sharegpt_prompts.json.gz /tmp/ 2>/dev/null

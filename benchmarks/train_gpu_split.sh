@@ -4,7 +4,7 @@
 # the machine's idle window). Usage, run from the repo root with $OUT set:
 #   call A: bash benchmarks/train_gpu_split.sh gen+train   regenerate data, train both runs until the deadline
 #   call B: bash benchmarks/train_gpu_split.sh train+eval  resume both to the end of their schedules, then τ
-# Needs /tmp/smollm.gguf (joined from the .model/ halves if absent) and the gguf wheel in .whl/ (call A).
+# Needs /tmp/smollm.gguf (benchmarks/gguf_pieces.sh: joined from the pieces carried by earlier calls) and the gguf wheel in .whl/ (call A).
 # $OUT receives the drafter shards as <run>-<file> plus meta.tar.gz with everything else (the device
 # returns at most 8 files). Environment knobs: GEN_S (regeneration seconds), TRAIN_S (training seconds
 # over both calls, the schedule is fitted to it), DEADLINE_S (per call), EVAL_PROMPTS, EVAL_TOKENS.
@@ -16,10 +16,7 @@ DEADLINE_S=${DEADLINE_S:-550}
 EVAL_PROMPTS=${EVAL_PROMPTS:-64}
 EVAL_TOKENS=${EVAL_TOKENS:-256}
 RUNS="5 7"
-if [ ! -f /tmp/smollm.gguf ]; then
-  cp .model/smollm.gguf.part_ab /tmp/ && cat /tmp/smollm.gguf.part_aa /tmp/smollm.gguf.part_ab > /tmp/smollm.gguf
-fi
-echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  /tmp/smollm.gguf" | sha256sum -c
+bash benchmarks/gguf_pieces.sh  # joins the GGUF from the pieces carried so far
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
