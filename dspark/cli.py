@@ -25,12 +25,23 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         '"rejection_sample_method": "standard"|"block"}; default: the drafter dspark ships '
                         'for the model, if any (dspark/drafters)')
     p.add_argument("--no-spec", action="store_true", help="no speculative decoding (ignore the shipped drafter)")
+    add_attention_backend_arg(p)
+
+
+def add_attention_backend_arg(p: argparse.ArgumentParser) -> None:
+    from dspark.config import ATTENTION_BACKENDS
+
+    p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
+                   help="attention over the paged KV cache: torch (PyTorch SDPA, any device), triton (Triton "
+                        "paged-attention kernels; CUDA, or a CPU only in Triton's interpreter), auto (torch for "
+                        "now, until the Triton backend is measured in the engine on a GPU) (default: auto)")
 
 
 def _engine_kwargs(a: argparse.Namespace) -> dict:
     kw = dict(
         device=a.device, dtype=a.dtype, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
         kv_cache_memory_gb=a.kv_cache_memory_gb, enable_prefix_caching=not a.no_prefix_caching, seed=a.seed,
+        attention_backend=a.attention_backend,
     )
     if a.max_model_len is not None:
         kw["max_model_len"] = a.max_model_len

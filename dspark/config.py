@@ -72,6 +72,13 @@ class ModelConfig:
             raise ModelLoadError(f"model config is missing the field {e.args[0]!r}") from None
 
 
+# Attention backends (dspark/layers/attention.py, dspark/layers/triton_attention.py). "auto" picks
+# "torch" on every device for now, CUDA included: the Triton kernels are tested against the PyTorch
+# backend (in Triton's interpreter) and benchmarked alone on an H200, but the engine with the Triton
+# backend has not been measured on a GPU yet, so it is not made the default before it is.
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How the engine schedules and stores KV. Defaults suit a small model on one device."""
@@ -86,6 +93,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: torch.dtype = torch.float32
     seed: int = 0  # seeds the per-request seeds of requests that bring none
+    attention_backend: str = "auto"  # one of ATTENTION_BACKENDS; see resolved_attention_backend
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -93,3 +101,11 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"unknown attention_backend {self.attention_backend!r}: use one of "
+                             f"{', '.join(ATTENTION_BACKENDS)}")
+
+    @property
+    def resolved_attention_backend(self) -> str:
+        """The backend to build, "torch" or "triton": "auto" is "torch" on every device for now (see ATTENTION_BACKENDS)."""
+        return "torch" if self.attention_backend == "auto" else self.attention_backend

@@ -42,6 +42,16 @@ class StepResult:
     verify_time_s: float = 0.0
 
 
+def make_attention_backend(name: str, device: torch.device):
+    """The attention backend named by EngineConfig.resolved_attention_backend. Triton is imported only
+    when asked for."""
+    if name == "triton":
+        from dspark.layers.triton_attention import TritonAttentionBackend
+
+        return TritonAttentionBackend(device)
+    return TorchAttentionBackend()
+
+
 def spec_eligible(req: Request) -> bool:
     """Penalties make the target's distribution depend on the drafts themselves: such requests
     decode without speculation."""
@@ -56,6 +66,7 @@ class ModelRunner:
         the target exists (the drafter shares the target's embedding and lm_head)."""
         self.config = config
         self.device = torch.device(config.device)
+        self.backend = make_attention_backend(config.resolved_attention_backend, self.device)
         self.model_config = mc = loaded.config
         self.max_positions = config.max_model_len + 64  # RoPE covers every reachable position, drafts included
         self.spec = spec
@@ -87,7 +98,6 @@ class ModelRunner:
         self.num_spec_tokens = 0
         if self.proposer is not None:
             self.num_spec_tokens = spec.num_speculative_tokens or self.proposer.num_slots
-        self.backend = TorchAttentionBackend()
         self.sampler = Sampler()
         self.draft_probs: dict[str, torch.Tensor] = {}  # request id -> [N, V] q of its pending drafts
 

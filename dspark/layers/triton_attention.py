@@ -1,0 +1,102 @@
+"""Triton attention backend: the engine's paged attention as two Triton launches per layer.
+
+Same interface and semantics as ``TorchAttentionBackend`` (dspark/layers/attention.py): ``prepare``
+once per step, ``forward`` per layer writes the new K/V at ``slot_mapping`` and attends causally over
+each request's blocks. ``forward`` is ``write_kv`` (one launch, K and V together) followed by
+``paged_attention`` (one launch, plus a small merge launch when the key range is split), both from
+dspark/kernels/paged_attention.py; no context is gathered into dense copies and no mask is built.
+
+- ``prepare`` makes the step's device metadata once, shared by all layers: seq_lens and
+  query_start_loc as one int32 host->device copy, and the kernel's tuning hints ``max_query_len`` /
+  ``max_seq_len`` as host ints from the layout's Python lists. Nothing reads device values back, so
+  no step waits on the GPU here.
+- **Every row goes through the kernel: decode (1 row), verification (1 + N), prefill chunks (up to
+  ``max_num_batched_tokens`` rows) and mixed batches, in one launch per layer.** Given
+  ``max_query_len``, the kernel spreads a long request's query rows over several programs of
+  ``BLOCK_Q`` tokens × the G query heads of one KV head (at most 64 rows), each looping only over
+  the keys its chunk can see (causal bound) in 128-key tiles read straight from the paged cache: a
+  FlashAttention-style prefill, not a serial loop over rows. So there is no prefill route to the
+  PyTorch backend: that would cost a second attention call per layer, host-side regrouping and, in
+  the PyTorch path, a dense gather of the whole context plus an explicit mask (which rules out
+  SDPA's flash kernel on CUDA anyway). Known costs, to be measured on the GPU before any change:
+  (1) query tiles of at most 64 rows reuse each K/V tile half as often as FlashAttention-2's 128;
+  (2) the grid is sized by the *longest* request, so in a mixed batch the other requests' extra
+  programs start and exit at once (B × Hkv × ceil(max_query_len / BLOCK_Q) programs in all). If
+  either shows, the fix is a chunk work list (one program per real (request, query chunk)), not a
+  second backend.
+- Off the GPU the kernels run in Triton's interpreter (numpy, very slow): for tests only.
+
+The DSpark drafter does not use this backend: its block pass attends over its own context cache
+(dspark/spec/proposer.py, dspark/models/dspark_drafter.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from dspark.layers.attention import BatchLayout
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TritonAttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64, cache slot of each new K/V row
+    block_tables: torch.Tensor  # [B, max_blocks] int64, padded with the dummy block 0
+    seq_lens: torch.Tensor  # [B] int32
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    max_query_len: int  # host ints: kernel tile sizes and program counts, never read from the device
+    max_seq_len: int
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+class TritonAttentionBackend:
+    """Paged attention in Triton (see the module docstring). ``device`` is the engine's device: CUDA,
+    or a CPU where Triton runs in its interpreter (tests)."""
+
+    def __init__(self, device: str | torch.device) -> None:
+        device = torch.device(device)
+        try:
+            from dspark.kernels import interpreter_ready
+            from dspark.kernels import paged_attention as pa
+        except ImportError as e:
+            raise ValueError(f"attention_backend 'triton' needs the triton package, which failed to import: {e}; "
+                             "install triton or use attention_backend 'torch'") from None
+        if device.type != "cuda":
+            if not interpreter_ready():
+                raise ValueError(
+                    f"attention_backend 'triton' on {device.type}: Triton kernels run only on CUDA, or on a CPU "
+                    "in Triton's interpreter, which must be chosen (TRITON_INTERPRET=1) before triton is first "
+                    "imported; use attention_backend 'torch' here"
+                )
+            logger.warning("attention_backend 'triton' on %s runs the kernels in Triton's interpreter: very slow, "
+                           "meant for tests", device.type)
+        self._paged_attention = pa.paged_attention
+        self._write_kv = pa.write_kv
+
+    def prepare(self, layout: BatchLayout) -> TritonAttentionMetadata:
+        qsl = layout.query_start_loc
+        B = len(layout.seq_lens)
+        # One host->device copy for both small int arrays: [seq_lens (B) | query_start_loc (B + 1)].
+        small = torch.tensor(list(layout.seq_lens) + list(qsl), dtype=torch.int32).to(layout.positions.device)
+        return TritonAttentionMetadata(
+            slot_mapping=layout.slot_mapping,
+            block_tables=layout.block_tables,
+            seq_lens=small[:B],
+            query_start_loc=small[B:],
+            max_query_len=max((qsl[b + 1] - qsl[b] for b in range(B)), default=0),
+            max_seq_len=max(layout.seq_lens, default=0),
+        )
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: TritonAttentionMetadata, scale: float) -> torch.Tensor:
+        self._write_kv(_last_dim_contiguous(k), _last_dim_contiguous(v), k_cache, v_cache, meta.slot_mapping)
+        return self._paged_attention(
+            _last_dim_contiguous(q), k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+            scale, max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
+        )
