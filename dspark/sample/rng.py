@@ -102,6 +102,22 @@ def _random_words(seeds: Tensor, positions: Tensor, stream: int, n: int) -> Tens
     return words.reshape(seeds.shape[0], 4 * n_blocks)[:, :n]
 
 
+def _random_words_at(seeds: Tensor, positions: Tensor, stream: int, cols: Tensor) -> Tensor:
+    """[B, K] int64 words: entry [b, i] equals ``_random_words(seeds, positions, stream, n)[b, cols[b, i]]``
+    for any n > cols[b, i], computing only the K Philox blocks asked for (the whole point of a
+    counter-based generator: a sampler that only needs the top-k candidates draws only those)."""
+    seeds = seeds.to(torch.int64).unsqueeze(1)  # [B, 1]
+    positions = positions.to(device=seeds.device, dtype=torch.int64).unsqueeze(1)  # [B, 1]
+    cols = cols.to(device=seeds.device, dtype=torch.int64)  # [B, K]
+    c1 = positions & _MASK32
+    c2 = torch.full_like(c1, stream & _MASK32)
+    c3 = (positions >> 32) & _MASK32
+    k0 = seeds & _MASK32
+    k1 = (seeds >> 32) & _MASK32
+    words = torch.stack(_philox_words(cols >> 2, c1, c2, c3, k0, k1), dim=-1)  # [B, K, 4]
+    return words.gather(-1, (cols & 3).unsqueeze(-1)).squeeze(-1)
+
+
 def _open_unit(words: Tensor) -> Tensor:
     """Map 32-bit words to float32 in the open interval (0, 1): (w + 0.5) / 2^32, rounded to float32.
 
@@ -129,4 +145,11 @@ def gumbel(seeds: Tensor, positions: Tensor, stream: int, n: int) -> Tensor:
     sampling come from) keeps full precision: the largest value is about 22.9 rather than about 16.6.
     """
     v = _open_unit(_MASK32 - _random_words(seeds, positions, stream, n))  # 1 - u, fine near 0
+    return -torch.log(-torch.log1p(-v))
+
+
+def gumbel_at(seeds: Tensor, positions: Tensor, stream: int, cols: Tensor) -> Tensor:
+    """[B, K] float32: ``gumbel(seeds, positions, stream, n)[b, cols[b, i]]``, bit for bit, for columns
+    cols [B, K] only."""
+    v = _open_unit(_MASK32 - _random_words_at(seeds, positions, stream, cols))
     return -torch.log(-torch.log1p(-v))
