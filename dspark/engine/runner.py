@@ -24,6 +24,7 @@ from dspark.engine.kv_cache import KVCacheManager
 from dspark.engine.request import Request
 from dspark.engine.scheduler import SchedulerOutput
 from dspark.layers.attention import BatchLayout, TorchAttentionBackend
+from dspark.layers.linear import use_cpu_split_k
 from dspark.models.llama import LlamaForCausalLM
 from dspark.models.loader import LoadedModel
 from dspark.sample.sampler import Sampler, SamplingBatch, as_int64, compute_probs
@@ -81,6 +82,11 @@ class ModelRunner:
         self.model.eval()
         if proposer_factory is not None:
             self.proposer = proposer_factory.build(self.model)
+        if self.device.type == "cpu":  # spread one-row products over the cores (layers/linear.py)
+            use_cpu_split_k(self.model)
+            drafter = getattr(self.proposer, "drafter", None)  # DSparkProposer's; test proposers have none
+            if isinstance(drafter, torch.nn.Module):
+                use_cpu_split_k(drafter)
         self.vocab_size = mc.vocab_size
         self.block_size = config.block_size
         elt = torch.empty((), dtype=config.dtype).element_size()
