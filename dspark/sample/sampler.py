@@ -57,7 +57,6 @@ class SamplingBatch:
     no_min_p: bool
     no_penalties: bool
     max_top_k: int  # largest enabled top_k (0 if none): top-k without top-p needs only this many values
-    all_random_top_k: bool = False  # every random row has a top-k (so only max_top_k candidates can be drawn)
     prompt_counts: Tensor | None = None  # [B, V] int32 token counts in the prompt; only with a repetition penalty
     output_counts: Tensor | None = None  # [B, V] int32 token counts in the output; only with any penalty
 
@@ -81,7 +80,6 @@ class SamplingBatch:
         top_k: list[int] = []
         max_top_k = 0
         any_greedy = any_random = any_top_p = any_min_p = any_penalty = any_repetition = False
-        random_without_k = False
         for p in params:
             greedy = p.greedy
             any_greedy |= greedy
@@ -89,8 +87,6 @@ class SamplingBatch:
             k = vocab_size if greedy or p.top_k <= 0 else min(p.top_k, vocab_size)
             if k < vocab_size:
                 max_top_k = max(max_top_k, k)
-            elif not greedy:
-                random_without_k = True
             top_p = 1.0 if greedy else p.top_p
             min_p = 0.0 if greedy else p.min_p
             any_top_p |= top_p < 1.0
@@ -135,7 +131,6 @@ class SamplingBatch:
             no_min_p=not any_min_p,
             no_penalties=not any_penalty,
             max_top_k=max_top_k,
-            all_random_top_k=any_random and not random_without_k,
             prompt_counts=prompt_counts,
             output_counts=output_counts,
         )
@@ -245,33 +240,33 @@ def compute_probs(logits: Tensor, batch: SamplingBatch) -> Tensor:
     return torch.where((batch.temperature == 0).unsqueeze(1), one_hot, probs)
 
 
-CANDIDATE_LIMIT = 1024  # a batch whose rows all have top_k <= this samples from top_k candidates only
+CANDIDATE_LIMIT = 1024  # random rows with top_k <= this sample from their top_k candidates only
 
 
-def sample_from_candidates(penalised: Tensor, batch: SamplingBatch, stream: int) -> Tensor | None:
-    """Gumbel-max over each row's top-k candidates only: [B] tokens, or None when the batch does not
-    qualify (some random row without top-k, a top-k above CANDIDATE_LIMIT) or a tie at a row's k-th
-    value reaches past the candidates (then only the full-vocabulary path keeps every tied token).
+def sample_from_candidates(penalised: Tensor, batch: SamplingBatch, stream: int) -> tuple[Tensor, Tensor] | None:
+    """Gumbel-max over each row's top-k candidates only: ([B] tokens, [B] bool rows served), or None
+    when no row can be. A row is served when it samples (temperature > 0), has a top_k <= CANDIDATE_LIMIT
+    and no tie at its k-th value reaches past the candidates (the full path keeps every tied token).
+    Whether a row is served depends on that row alone, never on the rest of the batch.
 
     The same draw as the full path: filtered-out tokens have logit -inf there and can never win the
-    argmax, and the noise of the candidates is the same counter-based noise (``gumbel_at``). The only
-    difference is the order of floating-point sums inside top-p's softmax/cumsum (over k values
-    instead of the whole vocabulary), which can move a cumulative mass by a rounding step. It turns
-    a full sort and [B, V] noise into topk(k + 1) and [B, k] noise.
+    argmax, and the candidates get the same counter-based noise (``gumbel_at``). The only difference
+    is the order of floating-point sums inside top-p's softmax/cumsum (over k values instead of the
+    whole vocabulary), which can move a cumulative mass by a rounding step. It turns a full sort and
+    [B, V] noise into topk(k + 1) and [B, k] noise.
     """
     V = penalised.shape[-1]
-    K = batch.max_top_k
-    if not batch.all_random_top_k or K > CANDIDATE_LIMIT or K >= V:
+    K = min(batch.max_top_k, CANDIDATE_LIMIT)
+    if K == 0 or K >= V:
         return None
     # Candidates from the raw logits, scaled afterwards: dividing by a positive temperature keeps the
     # order (ties it creates among the K + 1 values are seen below exactly as the full path sees them).
     vals, idx = penalised.topk(K + 1, dim=-1)  # [B, K + 1], descending
     t = batch.temperature
     vals = vals / torch.where(t == 0, torch.ones_like(t), t).unsqueeze(1)
-    k_rows = batch.top_k.clamp(max=K)  # greedy rows carry vocab_size: any k works for them
+    k_rows = batch.top_k.clamp(max=K)
     kth = vals.gather(1, (k_rows - 1).unsqueeze(1))  # [B, 1]
-    if bool((vals[:, K:] == kth).any()):  # a tie at the k-th value continues past the candidates
-        return None
+    served = (t > 0) & (batch.top_k <= K) & (vals[:, K] != kth[:, 0])
     vals, idx = vals[:, :K], idx[:, :K]
     keep = vals >= kth
     if not batch.no_min_p:
@@ -283,7 +278,7 @@ def sample_from_candidates(penalised: Tensor, batch: SamplingBatch, stream: int)
         top_p = batch.top_p.unsqueeze(1)
         vals = vals.masked_fill((mass_before >= top_p) & (top_p < 1.0), -math.inf)
     pick = (vals + gumbel_at(batch.seeds, batch.positions, stream, idx)).argmax(dim=-1, keepdim=True)
-    return idx.gather(1, pick).squeeze(1)
+    return idx.gather(1, pick).squeeze(1), served
 
 
 class Sampler:
@@ -296,10 +291,14 @@ class Sampler:
         penalised = apply_penalties(logits.float(), batch)
         if batch.all_greedy:
             return penalised.argmax(dim=-1)
-        sampled = sample_from_candidates(penalised, batch, stream)
-        if sampled is None:
+        cand = sample_from_candidates(penalised, batch, stream)
+        if cand is not None and bool((cand[1] | (batch.temperature == 0)).all()):
+            sampled = cand[0]  # every random row drawn from its candidates
+        else:  # the rest (no top-k, a tie past the candidates) from the whole vocabulary
             noise = gumbel(batch.seeds, batch.positions, stream, logits.shape[-1])  # [B, V]
             sampled = (_process(penalised, batch) + noise).argmax(dim=-1)  # [B]
+            if cand is not None:
+                sampled = torch.where(cand[1], cand[0], sampled)
         if batch.all_random:
             return sampled
         return torch.where(batch.temperature == 0, penalised.argmax(dim=-1), sampled)

@@ -39,18 +39,24 @@ def test_candidates_equal_full_vocabulary(top_k, top_p, min_p, temperature, monk
     params[3] = SamplingParams(temperature=0)  # a greedy row in the batch
     params[4] = SamplingParams(temperature=temperature, top_k=3)  # a smaller k than the batch's largest
     batch = _batch(params, positions=list(range(100, 124)))
-    assert batch.all_random_top_k
     fast = Sampler()(logits, batch)
-    assert sample_from_candidates(logits, batch, 0) is not None  # the fast path was taken
+    served = sample_from_candidates(logits, batch, 0)[1]
+    assert served.sum() == 23 and not served[3]  # every random row took the fast path
     monkeypatch.setattr(sampler_mod, "CANDIDATE_LIMIT", 0)  # force the full-vocabulary path
     full = Sampler()(logits, batch)
     assert torch.equal(fast, full)
 
 
-def test_rows_without_top_k_use_the_full_path():
-    logits = torch.randn(2, V)
-    batch = _batch([SamplingParams(temperature=1.0, top_k=20), SamplingParams(temperature=1.0)], [5, 6])
-    assert not batch.all_random_top_k and sample_from_candidates(logits, batch, 0) is None
+def test_rows_without_top_k_use_the_full_path_and_others_do_not_care(monkeypatch):
+    logits = torch.randn(2, V, generator=torch.Generator().manual_seed(1)) * 3
+    mixed = _batch([SamplingParams(temperature=1.0, top_k=20, seed=5), SamplingParams(temperature=1.0)], [5, 6])
+    assert sample_from_candidates(logits, mixed, 0)[1].tolist() == [True, False]
+    alone = _batch([SamplingParams(temperature=1.0, top_k=20, seed=5)], [5])
+    assert Sampler()(logits, mixed)[0] == Sampler()(logits[:1], alone)[0]  # the row decides, not the batch
+    fast = Sampler()(logits, mixed)
+    monkeypatch.setattr(sampler_mod, "CANDIDATE_LIMIT", 0)  # now neither row is served by candidates
+    assert sample_from_candidates(logits, mixed, 0) is None
+    assert torch.equal(Sampler()(logits, mixed), fast)
 
 
 def test_a_tie_past_the_candidates_falls_back_and_keeps_every_tied_token():
@@ -59,7 +65,7 @@ def test_a_tie_past_the_candidates_falls_back_and_keeps_every_tied_token():
     logits[0, 10] = 5.0
     logits[0, [20, 30, 40, 50, 60]] = 4.0
     batch = _batch([SamplingParams(temperature=1.0, top_k=2)], [0])
-    assert sample_from_candidates(logits, batch, 0) is None
+    assert sample_from_candidates(logits, batch, 0)[1].tolist() == [False]
     seen = set()
     for pos in range(400):
         b = _batch([SamplingParams(temperature=1.0, top_k=2)], [pos])
