@@ -10,15 +10,25 @@ core (measured on the 2-core CI machine: the same 32 ms per token with 1 or 2 th
 memory bandwidth sits idle, and at 6 rows (a verification step) it is 2x slower still. Viewing the
 input-major weight as ``[c, in/c, out]`` (a view: no copy, no extra memory) and the input as
 ``[c, rows, in/c]`` turns the product into a ``bmm`` of c partial products, which MKL spreads over the
-threads, summed afterwards. SmolLM2's 121 matrices: 32.0 -> 20.6 ms at one row, 67.7 -> 47.4 ms at
-six. The sum runs in a different order than one GEMV, so results differ in the last bits (fp32
-logits ~1e-6 relative), as any change of kernel does.
+threads, summed afterwards. SmolLM2's 121 matrices: 32.0 -> 20.6 ms at one row. From three rows on
+(verification, prefill) oneDNN's inner product over the same weight's ``[out, in]`` view is faster
+still (6 rows: 67.7 ms MKL, 45.6 split-K, 30.4 oneDNN). Both sum in a different order than one MKL
+GEMV, so results differ in the last bits (fp32 logits ~1e-6 relative), as any change of kernel does.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+
+SPLIT_K_MAX_ROWS = 2  # more rows than this: oneDNN's inner product (below) is faster
+# oneDNN's inner product (the op inductor's CPU fusion uses), reading the [out, in] view of W_t: at 3+ rows
+# it beats both MKL's GEMM and split-K (SmolLM2, 6 rows: 45.6 ms split-K, 30.4 ms oneDNN; 2,048 rows:
+# 44.4 ms MKL, 36.5 ms oneDNN, one 576x3072 matrix).
+_onednn_linear = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
+if not torch.backends.mkldnn.is_available():
+    _onednn_linear = None
 
 
 class Linear(nn.Module):
@@ -33,10 +43,15 @@ class Linear(nn.Module):
         if c > 1 and x.device.type == "cpu":
             k, n = self.weight_t.shape
             rows = x.reshape(-1, k)
-            part = torch.bmm(rows.view(rows.shape[0], c, k // c).transpose(0, 1), self.weight_t.view(c, k // c, n))
-            y = part.sum(0)
-            if self.bias is not None:
-                y = y + self.bias
+            if rows.shape[0] <= SPLIT_K_MAX_ROWS:
+                part = torch.bmm(rows.view(rows.shape[0], c, k // c).transpose(0, 1), self.weight_t.view(c, k // c, n))
+                y = part.sum(0)
+                if self.bias is not None:
+                    y = y + self.bias
+            elif _onednn_linear is not None and x.dtype == torch.float32:
+                y = _onednn_linear(rows, self.weight_t.t(), self.bias, "none", [], "")
+            else:
+                y = torch.matmul(rows, self.weight_t) if self.bias is None else torch.addmm(self.bias, rows, self.weight_t)
             return y.view(*x.shape[:-1], n)
         if self.bias is None:
             return torch.matmul(x, self.weight_t)
