@@ -234,7 +234,7 @@ class LLMEngine:
             finished=req.is_finished,
             finish_reason=req.finish_reason,
             stop_reason=req.stop_reason,
-            logprobs=req.logprobs,
+            logprobs=None if req.logprobs is None else req.logprobs[:len(toks)],  # a snapshot, not the live list
         )
         self._sent[rid] = (visible, len(toks))
         if req.is_finished:
