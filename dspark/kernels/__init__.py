@@ -27,6 +27,19 @@ def interpreter_ready() -> bool:
     return type(tl.sum).__name__ == "InterpretedFunction"
 
 
+def check_device(t: torch.Tensor) -> None:
+    """Kernels take CUDA tensors, or CPU tensors where Triton runs in its interpreter."""
+    if t.device.type != "cuda" and not interpreter_ready():
+        raise RuntimeError(
+            f"Triton kernels got {t.device.type} tensors but Triton is not in interpreter mode: set "
+            "TRITON_INTERPRET=1 before triton is first imported to run them on a CPU"
+        )
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
 def _fix_interpreter_scalars() -> None:
     """Work around triton-lang/triton#9171 (Triton <= 3.6 with numpy >= 2.4): the interpreter keeps
     scalars as shape-(1,) arrays and turns them into ints with ``int(array)``, which numpy 2.4

@@ -38,20 +38,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from dspark.kernels import interpreter_ready
+from dspark.kernels import check_device, next_pow2
 from dspark.layers.basic import apply_rope, silu_and_mul as _silu_and_mul_ref
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
-
-
-def _check_device(t: Tensor) -> None:
-    if t.device.type != "cuda" and not interpreter_ready():
-        raise RuntimeError(
-            f"Triton kernels got {t.device.type} tensors but Triton is not in interpreter mode: set "
-            "TRITON_INTERPRET=1 before triton is first imported to run them on a CPU"
-        )
 
 
 def _launch_opts(t: Tensor) -> dict:
@@ -108,7 +96,7 @@ def _rows(x: Tensor) -> Tensor:
 def add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """(weight * rmsnorm(x + residual), x + residual) over the last dimension; with residual None,
     (weight * rmsnorm(x), x). The sum is in x's dtype, the output in promote(weight, x) dtypes."""
-    _check_device(x)
+    check_device(x)
     H = x.shape[-1]
     x2 = _rows(x)
     T = x2.shape[0]
@@ -124,7 +112,7 @@ def add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float)
     if T:
         _rms_norm_kernel[(T,)](
             x2, x2.stride(0), res2, res2.stride(0), weight, out2, out2.stride(0), nr2, nr2.stride(0),
-            H, eps, HAS_RES=residual is not None, BLOCK_H=_next_pow2(H),
+            H, eps, HAS_RES=residual is not None, BLOCK_H=next_pow2(H),
             num_warps=4 if H <= 4096 else 8, **_launch_opts(x),
         )
     return out, new_res
@@ -271,10 +259,10 @@ def _launch_rope(q, k, v, positions, cos, sin_signed, k_cache, v_cache, slots, v
             q_norm if q_norm is not None else dummy, k_norm if k_norm is not None else dummy, eps,
             k_cache, v_cache, sc_slot, sc_head, slots, valid if valid is not None else slots,
             Hq, Hkv,
-            D=D, HQ_PAD=_next_pow2(Hq), HKV_PAD=_next_pow2(Hkv),
+            D=D, HQ_PAD=next_pow2(Hq), HKV_PAD=next_pow2(Hkv),
             HAS_Q=q is not None, ROPE=rope, HAS_QNORM=q_norm is not None, HAS_KNORM=k_norm is not None,
             HAS_VALID=valid is not None, WRITE_KOUT=write_kout,
-            num_warps=4 if D * _next_pow2(max(Hq, Hkv)) <= 4096 else 8, **_launch_opts(k),
+            num_warps=4 if D * next_pow2(max(Hq, Hkv)) <= 4096 else 8, **_launch_opts(k),
         )
     return q_out, k_out
 
@@ -287,7 +275,7 @@ def rope_qk_cache(
     """RoPE (after optional per-head q/k RMSNorm) on q [T, Hq, D] and k [T, Hkv, D] at positions [T],
     with RotaryEmbedding's ``cos`` / ``sin_signed`` tables [P, D]; writes the rotated k and v [T, Hkv, D]
     into the caches at slot_mapping [T] (negative slots skipped). Returns (q, k) rotated, contiguous."""
-    _check_device(k)
+    check_device(k)
     return _launch_rope(q, k, v, positions, cos, sin_signed, k_cache, v_cache, slot_mapping, None,
                         q_norm, k_norm, eps, write_kout=True)
 
@@ -320,7 +308,7 @@ def store_context_kv(
     """The drafter's context K/V store for one drafter layer: K [R, Hkv, D] (pre-RoPE; RoPE applied
     here at positions [R] when given, after k_norm when given) and V into the caches at slots [R],
     only for rows with valid[R] True (if given) and slot >= 0."""
-    _check_device(k)
+    check_device(k)
     if positions is not None and (cos is None or sin_signed is None):
         raise ValueError("RoPE needs the cos and sin_signed tables")
     _launch_rope(None, k, v, positions, cos, sin_signed, k_cache, v_cache, slots, valid, None, k_norm, eps,
@@ -368,7 +356,7 @@ def _silu_mul_kernel(x_ptr, stride_x, out_ptr, stride_o, I, PRECISE: tl.constexp
 
 def silu_and_mul(gate_up: Tensor) -> Tensor:
     """SwiGLU on a fused [.., 2I] gate|up projection -> [.., I] (dspark.layers.basic.silu_and_mul)."""
-    _check_device(gate_up)
+    check_device(gate_up)
     I2 = gate_up.shape[-1]
     if I2 % 2:
         raise ValueError("gate_up's last dimension must be even")
@@ -377,7 +365,7 @@ def silu_and_mul(gate_up: Tensor) -> Tensor:
     T = x2.shape[0]
     out = torch.empty(*gate_up.shape[:-1], I, dtype=gate_up.dtype, device=gate_up.device)
     o2 = out.view(-1, I)
-    BLOCK = min(_next_pow2(I), 1024)
+    BLOCK = min(next_pow2(I), 1024)
     if T:
         _silu_mul_kernel[(T, triton.cdiv(I, BLOCK))](x2, x2.stride(0), o2, o2.stride(0), I,
                                                      PRECISE=gate_up.device.type == "cuda", BLOCK=BLOCK,

@@ -76,24 +76,12 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from dspark.kernels import interpreter_ready
+from dspark.kernels import check_device, next_pow2
 from dspark.kernels.fused_ops import cast_rtne
 from dspark.sample.rng import draft_stream
 from dspark.sample.sampler import Sampler, SamplingBatch, compute_probs
 
 _NEG_INF = tl.constexpr(float("-inf"))  # a constexpr: jit code may read it
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
-
-
-def _check_device(t: Tensor) -> None:
-    if t.device.type != "cuda" and not interpreter_ready():
-        raise RuntimeError(
-            f"Triton kernels got {t.device.type} tensors but Triton is not in interpreter mode: set "
-            "TRITON_INTERPRET=1 before triton is first imported to run them on a CPU"
-        )
 
 
 # ----------------------------------------------------------------------------------------- Philox
@@ -205,7 +193,7 @@ def _precise(t: Tensor) -> bool:
 
 def philox4x32_triton(counter: Tensor, key: Tensor) -> Tensor:
     """rng.philox4x32 in Triton: counter [n, 4], key [n, 2] int64 words -> [n, 4] int64 words."""
-    _check_device(counter)
+    check_device(counter)
     counter = counter.to(torch.int64).contiguous()
     key = key.to(device=counter.device, dtype=torch.int64).contiguous()
     n = counter.shape[0]
@@ -217,7 +205,7 @@ def philox4x32_triton(counter: Tensor, key: Tensor) -> Tensor:
 
 def gumbel_triton(seeds: Tensor, positions: Tensor, stream: int, n: int) -> Tensor:
     """rng.gumbel in Triton: [B, n] float32 noise for (seeds[b], positions[b], stream, column)."""
-    _check_device(seeds)
+    check_device(seeds)
     seeds = seeds.to(torch.int64).contiguous()
     positions = positions.to(device=seeds.device, dtype=torch.int64).contiguous()
     B = seeds.shape[0]
@@ -600,7 +588,7 @@ def markov_sample(
     ``_paths`` (tests): a [B, N] int32 tensor that receives, for sampled rows, how θ was found
     (0 no filter search, 1 sorted candidates, 2 bisection); -1 for other rows.
     """
-    _check_device(base_logits)
+    check_device(base_logits)
     B, N, V = base_logits.shape
     dev = base_logits.device
     if base_logits.dtype != torch.float32:
@@ -646,8 +634,8 @@ def markov_sample(
         raise ValueError(f"cap must be a power of two >= 2, got {cap}")
     small_cap = min(cap, max(16, min(256, cap // 4)))  # sort size when the candidates are few
     NT = triton.cdiv(V, block_v)
-    NT_PAD = _next_pow2(NT)
-    BLOCK_R = min(_next_pow2(R), 32)
+    NT_PAD = next_pow2(NT)
+    BLOCK_R = min(next_pow2(R), 32)
     f32 = dict(dtype=torch.float32, device=dev)
     z = torch.empty(B if any_prob else 1, V, **f32)
     pmax = torch.empty(B, NT_PAD, **f32)

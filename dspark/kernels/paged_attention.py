@@ -41,22 +41,9 @@ import torch
 import triton
 import triton.language as tl
 
-from dspark.kernels import interpreter_ready
+from dspark.kernels import check_device, next_pow2
 
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x * LOG2E)
-
-
-def check_device(t: torch.Tensor) -> None:
-    """Kernels take CUDA tensors, or CPU tensors where Triton runs in its interpreter."""
-    if t.device.type != "cuda" and not interpreter_ready():
-        raise RuntimeError(
-            f"Triton kernels got {t.device.type} tensors but Triton is not in interpreter mode: set "
-            "TRITON_INTERPRET=1 before triton is first imported to run them on a CPU"
-        )
-
-
-def next_pow2(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
 
 
 def dot_precision(dtype: torch.dtype) -> str:
