@@ -82,6 +82,8 @@ class ModelRunner:
         self.model.eval()
         if proposer_factory is not None:
             self.proposer = proposer_factory.build(self.model)
+            if hasattr(self.proposer, "use_triton"):  # DSparkProposer: draft with the Triton kernels too
+                self.proposer.use_triton = config.resolved_attention_backend == "triton"
         if self.device.type == "cpu":  # spread one-row products over the cores (layers/linear.py)
             use_cpu_split_k(self.model)
             drafter = getattr(self.proposer, "drafter", None)  # DSparkProposer's; test proposers have none

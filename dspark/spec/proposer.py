@@ -14,6 +14,7 @@ import torch
 
 from dspark.engine.request import Request
 from dspark.layers.attention import context_slots
+from dspark.layers.basic import apply_rope, silu_and_mul
 from dspark.models.dspark_drafter import DSparkDrafter
 from dspark.sample.rng import draft_stream
 from dspark.sample.sampler import Sampler, SamplingBatch, compute_probs
@@ -45,8 +46,11 @@ class DSparkProposer:
     """Drafts with a DSpark drafter; its context K/V lives in the engine's paged cache under the
     same block ids as the target's, so prefix-cache hits carry the drafter's context too."""
 
-    def __init__(self, drafter: DSparkDrafter) -> None:
+    def __init__(self, drafter: DSparkDrafter, use_triton: bool = False) -> None:
         self.drafter = drafter
+        # True (the engine's attention backend is "triton"): draft with the Triton kernels (context
+        # K/V store, shared-tile block attention, fused Markov sampler); False: the PyTorch path below.
+        self.use_triton = use_triton
         c = drafter.config
         self.num_slots = c.block_size
         self.tap_layers = c.target_layer_ids
@@ -70,6 +74,8 @@ class DSparkProposer:
         """Context K/V for committed rows only (taps [R, m·H] at positions [R] -> cache slots [R])."""
         if taps.shape[0] == 0:
             return
+        if self.use_triton:
+            return self._write_context_triton(taps, positions, slots)
         for l, (k, v) in enumerate(self.drafter.context_entries(taps, positions)):
             self.kv[l, 0].view(-1, *k.shape[1:]).index_copy_(0, slots, k)
             self.kv[l, 1].view(-1, *v.shape[1:]).index_copy_(0, slots, v)
@@ -80,6 +86,8 @@ class DSparkProposer:
         position < a. Draft k (1-based) takes position a + k and is sampled, left to right, from
         softmax(U_k + W1[x_{k-1}]·W2ᵀ) at the request's temperature/top-k/top-p (argmax for greedy),
         with Gumbel noise gumbel(seed, a + 1, draft_stream(k-1)): keyed per step, see draft_stream."""
+        if self.use_triton:
+            return self._propose_triton(anchors, anchor_pos, block_tables, num_drafts, batch, probabilistic)
         d = self.drafter
         slots, valid = context_slots(block_tables, anchor_pos, self.block_size)
         ctx_kv = []
@@ -108,6 +116,75 @@ class DSparkProposer:
                 probs[:, k] = torch.where(prob_rows[:, None], q, 0.0)
             tokens[:, k] = tok
             prev = tok
+        return Proposal(tokens, probs, conf)
+
+    # ------------------------------------------------------------------ Triton path
+    def _write_context_triton(self, taps: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """write_context through fused_ops.store_context_kv: DrafterLayer.context_kv's projection in
+        torch, then k_norm + RoPE + the paged store in one kernel per drafter layer."""
+        from dspark.kernels.fused_ops import store_context_kv
+
+        d = self.drafter
+        ctx = d.hidden_norm(d.fc(taps))
+        for l, layer in enumerate(d.layers):
+            kv = ctx @ layer.qkv_proj.weight_t[:, layer.q_size:]
+            if layer.qkv_proj.bias is not None:
+                kv = kv + layer.qkv_proj.bias[layer.q_size:]
+            k, v = kv.view(-1, 2 * layer.num_kv_heads, layer.head_dim).split(layer.num_kv_heads, dim=1)
+            kn = layer.k_norm
+            store_context_kv(k, v, self.kv[l, 0], self.kv[l, 1], slots, None, positions, d.rope.cos,
+                             d.rope.sin_signed, kn.weight if kn is not None else None,
+                             kn.eps if kn is not None else 1e-6)
+
+    def _block_hidden_triton(self, anchors: torch.Tensor, anchor_pos: torch.Tensor, block_tables: torch.Tensor,
+                             num_slots: int) -> torch.Tensor:
+        """DSparkDrafter.block_hidden with each layer's attention done by drafter_attention straight
+        over the paged context cache (no gather of the context, no mask): [B, num_slots, H]."""
+        from dspark.kernels.drafter_attention import drafter_attention
+
+        d = self.drafter
+        B, G = anchors.shape[0], num_slots
+        tokens = torch.full((B, G), d.config.mask_token_id, dtype=torch.long, device=anchors.device)
+        tokens[:, 0] = anchors
+        h = d.embed_tokens(tokens)  # [B, G, H]
+        H = h.shape[-1]
+        pos = (anchor_pos[:, None] + torch.arange(G, device=anchors.device)[None, :]).reshape(-1)
+        cos_sin = d.rope.cos_sin(pos, h.dtype)
+        for l, layer in enumerate(d.layers):  # DrafterLayer.forward, attention swapped
+            x = layer.input_layernorm(h).view(B * G, H)
+            q, k, v = layer.qkv_proj(x).split([layer.q_size, layer.kv_size, layer.kv_size], dim=-1)
+            q = q.view(B * G, layer.num_heads, layer.head_dim)
+            k = k.view(B * G, layer.num_kv_heads, layer.head_dim)
+            if layer.q_norm is not None:
+                q, k = layer.q_norm(q), layer.k_norm(k)
+            q = apply_rope(q, *cos_sin).view(B, G, layer.num_heads, layer.head_dim).contiguous()
+            k = apply_rope(k, *cos_sin).view(B, G, layer.num_kv_heads, layer.head_dim).contiguous()
+            v = v.reshape(B, G, layer.num_kv_heads, layer.head_dim).contiguous()
+            o = drafter_attention(q, k, v, self.kv[l, 0], self.kv[l, 1], block_tables, anchor_pos,
+                                  layer.head_dim**-0.5)  # [B, γ, Hq, D]
+            h = h + layer.o_proj(o.reshape(B * G, layer.q_size)).view(B, G, H)
+            x = layer.post_attention_layernorm(h)
+            h = h + layer.down_proj(silu_and_mul(layer.gate_up_proj(x.view(B * G, H)))).view(B, G, H)
+        return d.norm(h)
+
+    def _propose_triton(self, anchors, anchor_pos, block_tables, num_drafts, batch, probabilistic) -> Proposal:
+        """propose with the Triton kernels: block attention over the paged cache, then the fused
+        Markov sampler (markov_sample, which picks the tokens the PyTorch loop picks); the confidence
+        head, which needs only the drafted tokens, runs after it."""
+        from dspark.kernels.markov_sampler import markov_sample
+
+        d = self.drafter
+        h = self._block_hidden_triton(anchors, anchor_pos, block_tables, self.num_slots)  # [B, γ, H]
+        U = d.base_logits(h[:, :num_drafts])  # [B, N, V] fp32
+        w1 = d.markov_w1.weight if d.markov_w1 is not None else None
+        w2_t = d.markov_w2.weight_t if d.markov_w2 is not None else None
+        tokens, probs = markov_sample(U, anchors, w1, w2_t, batch, anchor_pos + 1, list(probabilistic))
+        conf = None
+        if d.confidence is not None:
+            conf = torch.empty(anchors.shape[0], num_drafts, device=anchors.device)
+            for k in range(num_drafts):
+                prev = anchors if k == 0 else tokens[:, k - 1]
+                conf[:, k] = torch.sigmoid(d.confidence_logit(h[:, k], prev))
         return Proposal(tokens, probs, conf)
 
 
