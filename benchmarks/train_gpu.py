@@ -66,6 +66,10 @@ def main() -> int:
     g.add_argument("--max-prompt-tokens", type=int, default=512)
     g.add_argument("--gen-max-num-seqs", type=int, default=256)
     g.add_argument("--gen-kv-cache-gb", type=float, default=8.0)
+    g.add_argument("--prompt-offset", type=int, default=0,
+                   help="skip this many training prompts of the seeded order (prompts an earlier session covered)")
+    g.add_argument("--extra-data", default=None,
+                   help="comma-separated token files from earlier sessions, trained on together with this one's")
     t = p.add_argument_group("training")
     t.add_argument("--train-budget-s", type=float, default=270.0,
                    help="training time the schedule is fitted to (over all calls of a split run)")
@@ -114,7 +118,7 @@ def main() -> int:
             a.model, data, heldout, num_prompts=a.num_prompts, num_heldout_prompts=a.num_eval_prompts,
             max_tokens=a.gen_max_tokens, max_prompt_tokens=a.max_prompt_tokens, device=a.device,
             time_budget_s=a.gen_budget_s, max_num_seqs=a.gen_max_num_seqs, kv_cache_memory_gb=a.gen_kv_cache_gb,
-            prompt_source=a.prompt_source)
+            prompt_source=a.prompt_source, prompt_offset=a.prompt_offset)
         gen_summary.write_text(json.dumps(gen, indent=2))
         log(f"generated {gen['generated_tokens']} tokens ({gen['generated_tokens_per_s']:.0f} tok/s): "
             f"{gen['train']['num_sequences']} training and {gen['heldout']['num_sequences']} held-out sequences")
@@ -130,8 +134,9 @@ def main() -> int:
         budget = a.train_budget_s
         if a.phase == "all":
             budget = min(budget, a.deadline_s - (time.perf_counter() - T0) - a.eval_reserve_s)
+        train_files = ",".join([str(data)] + ([a.extra_data] if a.extra_data else []))
         cfg = TrainConfig(
-            out=str(run_dir), data=str(data), eval_data=str(heldout), model=a.model, block_size=a.block_size,
+            out=str(run_dir), data=train_files, eval_data=str(heldout), model=a.model, block_size=a.block_size,
             num_layers=a.num_layers, markov_rank=a.markov_rank,
             target_layer_ids=[int(x) for x in a.target_layer_ids.split(",")] if a.target_layer_ids else None,
             steps=a.max_steps, batch_size=a.batch_size, seq_len=a.seq_len, anchors_per_seq=a.anchors_per_seq,

@@ -53,6 +53,12 @@ else
   wait
   tail -n 2 $RES/eval_b*.log
 fi
+# the regenerated token files come back too (a few MB), so data accumulates over sessions: keep them in
+# .model/data/ and pass them to a later session with EXTRA="--extra-data ... --prompt-offset N"
+if [ "$MODE" = gen+train ]; then
+  cp /tmp/dspark_train/data.safetensors "$OUT/data-train.safetensors"
+  cp /tmp/dspark_train/heldout.safetensors "$OUT/data-heldout.safetensors"
+fi
 # pack: shards as separate files (each ≤ 16 MiB), the rest in one archive
 for b in $RUNS; do
   for f in $RES/b$b/drafter/*.safetensors; do [ -f "$f" ] && cp "$f" "$OUT/b$b-$(basename "$f")"; done

@@ -19,6 +19,10 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--seed", type=int, default=0, help="drafter init, prompt order, sampling, batches, anchors")
     d = t.add_argument_group("data")
     d.add_argument("--data", default=None, help="training token file (default: OUT/data.safetensors)")
+    d.add_argument("--extra-data", default=None,
+                   help="comma-separated token files from earlier regenerations, trained on together with --data")
+    d.add_argument("--prompt-offset", type=int, default=0,
+                   help="regenerate from this position of the seeded prompt order (skip prompts already covered)")
     d.add_argument("--eval-data", default=None,
                    help="held-out token file for periodic tau_prob (default: OUT/heldout.safetensors; 'none': no eval)")
     d.add_argument("--num-prompts", type=int, default=2000,
@@ -75,12 +79,12 @@ def cmd_train(a: argparse.Namespace) -> int:
             num_heldout_prompts=a.num_eval_prompts, max_tokens=a.gen_max_tokens,
             max_prompt_tokens=a.max_prompt_tokens, device=a.device, time_budget_s=a.gen_time_budget_s,
             max_num_seqs=a.gen_max_num_seqs, kv_cache_memory_gb=a.gen_kv_cache_gb, seed=a.seed,
-            prompt_source=a.prompt_source)
+            prompt_source=a.prompt_source, prompt_offset=a.prompt_offset)
         print(f"[dspark] regenerated {generation['generated_tokens']} tokens in {generation['generation_s']:.0f}s",
               file=sys.stderr)
         _free_device_memory()
     cfg = TrainConfig(
-        out=str(out), data=str(data), eval_data=None if eval_data is None else str(eval_data), model=a.model,
+        out=str(out), data=",".join([str(data)] + ([a.extra_data] if a.extra_data else [])), eval_data=None if eval_data is None else str(eval_data), model=a.model,
         block_size=a.block_size, num_layers=a.num_layers, markov_rank=a.markov_rank,
         target_layer_ids=[int(x) for x in a.target_layer_ids.split(",")] if a.target_layer_ids else None,
         mask_token_id=a.mask_token_id, steps=a.steps, time_budget_s=a.time_budget_s, stop_after_s=a.stop_after_s,

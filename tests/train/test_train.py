@@ -303,6 +303,20 @@ def test_token_file_round_trip(token_files):
     assert d.meta["split"] == "train" and d.meta["num_sequences"] == len(d)
 
 
+def test_token_files_of_several_sessions_concatenate(token_files, target, tmp_path):
+    a, b = TokenData.load(token_files[0]), TokenData.load(token_files[1])
+    both = TokenData.load_many(f"{token_files[0]},{token_files[1]}")
+    assert len(both) == len(a) + len(b) and both.meta["num_sequences"] == len(both)
+    for i in range(len(a)):
+        assert all(torch.equal(x, y) for x, y in zip(both.sequence(i), a.sequence(i)))
+    for i in range(len(b)):
+        assert all(torch.equal(x, y) for x, y in zip(both.sequence(len(a) + i), b.sequence(i)))
+    assert [p["split"] for p in both.meta["parts"]] == ["train", "heldout"]
+    # the trainer reads a comma-separated list
+    tr = Trainer(_cfg(target, token_files, tmp_path / "run", data=f"{token_files[0]},{token_files[1]}", steps=1))
+    assert len(tr.data) == len(both)
+
+
 def test_generation_time_budget_keeps_partial_responses(target):
     engine = LLMEngine(str(target), device="cpu", max_num_seqs=2, seed=0)
     out = generate_responses(engine, [[5, 6, 7]] * 4, max_tokens=500, time_budget_s=0.3)
