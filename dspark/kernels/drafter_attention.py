@@ -28,6 +28,7 @@ import triton.language as tl
 
 from dspark.kernels.paged_attention import (
     LOG2E,
+    _load_paged_kv,
     _online_softmax_step,
     _store_rows,
     check_device,
@@ -92,14 +93,8 @@ def _drafter_attention_kernel(
     bt_row = block_tables_ptr + b * stride_bt
     for n0 in range(lo, hi, BLOCK_N):
         pos = n0 + n
-        kv_ok = pos < hi
-        blk = tl.load(bt_row + pos // PAGE, mask=kv_ok, other=0).to(tl.int64)
-        in_page = pos % PAGE
-        kv_mask = kv_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_cache_ptr + (blk * stride_kb + in_page * stride_kt + kvh * stride_kh)[:, None] + d[None, :],
-                    mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + (blk * stride_vb + in_page * stride_vt + kvh * stride_vh)[:, None] + d[None, :],
-                    mask=kv_mask, other=0.0)
+        k, v, kv_ok = _load_paged_kv(k_cache_ptr, v_cache_ptr, bt_row, pos, hi, kvh, d, d_ok, stride_kb,
+                                     stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, PAGE)
         m_i, l_i, acc = _online_softmax_step(q, k, v, kv_ok[None, :],
                                              m_i, l_i, acc, qk_scale, DOT_PRECISION)
 
@@ -152,14 +147,8 @@ def _drafter_attention_naive_kernel(
     bt_row = block_tables_ptr + b * stride_bt
     for n0 in range(0, ctx_len, BLOCK_N):
         pos = n0 + n
-        kv_ok = pos < ctx_len
-        blk = tl.load(bt_row + pos // PAGE, mask=kv_ok, other=0).to(tl.int64)
-        in_page = pos % PAGE
-        kv_mask = kv_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_cache_ptr + (blk * stride_kb + in_page * stride_kt + kvh * stride_kh)[:, None] + d[None, :],
-                    mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + (blk * stride_vb + in_page * stride_vt + kvh * stride_vh)[:, None] + d[None, :],
-                    mask=kv_mask, other=0.0)
+        k, v, kv_ok = _load_paged_kv(k_cache_ptr, v_cache_ptr, bt_row, pos, ctx_len, kvh, d, d_ok, stride_kb,
+                                     stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, PAGE)
         s = tl.where(kv_ok, tl.sum(k.to(tl.float32) * q[None, :], 1) * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 0))
         alpha = tl.exp2(m_i - m_new)

@@ -78,6 +78,22 @@ def default_num_splits(num_programs: int, device: torch.device, max_seq_len: int
 
 # ---------------------------------------------------------------------------------------- kernels
 @triton.jit
+def _load_paged_kv(k_cache_ptr, v_cache_ptr, bt_row, pos, end, kvh, d, d_ok,
+                   stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, PAGE: tl.constexpr):
+    """K and V rows of positions ``pos`` (those < end; others 0) of one KV head, read through the
+    request's block-table row from the paged cache. Returns (k, v, kv_ok)."""
+    kv_ok = pos < end
+    blk = tl.load(bt_row + pos // PAGE, mask=kv_ok, other=0).to(tl.int64)
+    in_page = pos % PAGE
+    kv_mask = kv_ok[:, None] & d_ok[None, :]
+    k = tl.load(k_cache_ptr + (blk * stride_kb + in_page * stride_kt + kvh * stride_kh)[:, None] + d[None, :],
+                mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + (blk * stride_vb + in_page * stride_vt + kvh * stride_vh)[:, None] + d[None, :],
+                mask=kv_mask, other=0.0)
+    return k, v, kv_ok
+
+
+@triton.jit
 def _online_softmax_step(q, k, v, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr):
     """One K/V tile of an online softmax. q [M, D], k/v [N, D], valid [M, N]; running row max m_i
     and sum l_i [M] (log2 domain), unnormalised output acc [M, D] fp32."""
@@ -192,14 +208,8 @@ def _paged_attention_kernel(
         acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
         for n0 in range(lo, hi, BLOCK_N):
             pos = n0 + n
-            kv_ok = pos < hi
-            blk = tl.load(bt_row + pos // PAGE, mask=kv_ok, other=0).to(tl.int64)
-            in_page = pos % PAGE
-            kv_mask = kv_ok[:, None] & d_ok[None, :]
-            k = tl.load(k_cache_ptr + (blk * stride_kb + in_page * stride_kt + kvh * stride_kh)[:, None] + d[None, :],
-                        mask=kv_mask, other=0.0)
-            v = tl.load(v_cache_ptr + (blk * stride_vb + in_page * stride_vt + kvh * stride_vh)[:, None] + d[None, :],
-                        mask=kv_mask, other=0.0)
+            k, v, kv_ok = _load_paged_kv(k_cache_ptr, v_cache_ptr, bt_row, pos, hi, kvh, d, d_ok, stride_kb,
+                                         stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, PAGE)
             valid = kv_ok[None, :] & (pos[None, :] <= q_pos[:, None])
             m_i, l_i, acc = _online_softmax_step(q, k, v, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
 
