@@ -25,23 +25,26 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         '"rejection_sample_method": "standard"|"block"}; default: the drafter dspark ships '
                         'for the model, if any (dspark/drafters)')
     p.add_argument("--no-spec", action="store_true", help="no speculative decoding (ignore the shipped drafter)")
-    add_attention_backend_arg(p)
+    add_backend_args(p)
 
 
-def add_attention_backend_arg(p: argparse.ArgumentParser) -> None:
+def add_backend_args(p: argparse.ArgumentParser) -> None:
     from dspark.config import ATTENTION_BACKENDS
 
     p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
                    help="attention over the paged KV cache: torch (PyTorch SDPA, any device), triton (Triton "
                         "paged-attention kernels; CUDA, or a CPU only in Triton's interpreter), auto (torch for "
                         "now, until the Triton backend is measured in the engine on a GPU) (default: auto)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs: run every step eagerly (graphs are captured at start-up on CUDA with the "
+                        "triton attention backend)")
 
 
 def _engine_kwargs(a: argparse.Namespace) -> dict:
     kw = dict(
         device=a.device, dtype=a.dtype, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
         kv_cache_memory_gb=a.kv_cache_memory_gb, enable_prefix_caching=not a.no_prefix_caching, seed=a.seed,
-        attention_backend=a.attention_backend,
+        attention_backend=a.attention_backend, enforce_eager=a.enforce_eager,
     )
     if a.max_model_len is not None:
         kw["max_model_len"] = a.max_model_len

@@ -94,6 +94,7 @@ class EngineConfig:
     dtype: torch.dtype = torch.float32
     seed: int = 0  # seeds the per-request seeds of requests that bring none
     attention_backend: str = "auto"  # one of ATTENTION_BACKENDS; see resolved_attention_backend
+    enforce_eager: bool = False  # True: no CUDA graphs (dspark/engine/cuda_graphs.py), every step eager
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size"):

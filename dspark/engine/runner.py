@@ -80,6 +80,8 @@ class ModelRunner:
             self.model.lm_head.float()  # fp32 logits (see LlamaForCausalLM.__init__)
         self.model.load_hf_state_dict(loaded.state_dict)
         self.model.eval()
+        # The Triton backend also runs the decoder's fused kernels (dspark/kernels/fused_ops.py).
+        self.model.fused = config.resolved_attention_backend == "triton"
         if proposer_factory is not None:
             self.proposer = proposer_factory.build(self.model)
             if hasattr(self.proposer, "use_triton"):  # DSparkProposer: draft with the Triton kernels too

@@ -85,6 +85,9 @@ class LlamaForCausalLM(nn.Module):
         # always fp32: bf16 logits are spaced 0.125 apart near 20, so greedy argmax would meet exact
         # ties that any kernel difference flips (verify vs decode, dspark vs HF).
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        # True: the decoder layers use the fused Triton kernels (set by the runner with the triton
+        # attention backend); False: the PyTorch ops.
+        self.fused = False
 
     def forward(
         self,

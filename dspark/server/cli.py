@@ -45,9 +45,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--speculative-config", default=None,
                    help='speculative decoding, as a JSON object passed to the engine (default: off); '
                         '\'{"method": "dspark"}\' without "model" uses the drafter dspark ships for the model')
-    from dspark.cli import add_attention_backend_arg
+    from dspark.cli import add_backend_args
 
-    add_attention_backend_arg(p)
+    add_backend_args(p)
     p.add_argument("--enforce-eager", action="store_true",
                    help="accepted for vLLM compatibility: dspark always runs eagerly today")
     p.add_argument("--seed", type=int, default=0, help="engine seed for requests that bring none (default: 0)")
@@ -135,7 +135,7 @@ def build_engine(args: argparse.Namespace, log: logging.Logger) -> Any:
         device=device, dtype=dtype, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
-        attention_backend=args.attention_backend,
+        attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
     )
     if args.max_model_len is not None:
         kw["max_model_len"] = args.max_model_len
