@@ -48,8 +48,6 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     from dspark.cli import add_backend_args
 
     add_backend_args(p)
-    p.add_argument("--enforce-eager", action="store_true",
-                   help="accepted for vLLM compatibility: dspark always runs eagerly today")
     p.add_argument("--seed", type=int, default=0, help="engine seed for requests that bring none (default: 0)")
     p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help=f"larger request bodies get a 413 (default: {DEFAULT_MAX_BODY_BYTES})")
@@ -144,8 +142,6 @@ def build_engine(args: argparse.Namespace, log: logging.Logger) -> Any:
         kw["kv_cache_memory_gb"] = gb
     if args.speculative_config:  # only when given: the engine validates the JSON and its keys
         kw["speculative_config"] = args.speculative_config
-    if args.enforce_eager:
-        log.info("--enforce-eager: dspark runs eagerly already")
     model = args.model or args.model_tag
     try:
         engine = LLMEngine(model, **kw)
