@@ -14,6 +14,7 @@ One step:
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -31,6 +32,8 @@ from dspark.sample.sampler import Sampler, SamplingBatch, as_int64, compute_prob
 from dspark.spec.config import SpeculativeConfig
 from dspark.spec.proposer import Proposer
 from dspark.spec.rejection import verify_greedy, verify_probabilistic
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -110,6 +113,23 @@ class ModelRunner:
             self.num_spec_tokens = spec.num_speculative_tokens or self.proposer.num_slots
         self.sampler = Sampler()
         self.draft_probs: dict[str, torch.Tensor] = {}  # request id -> [N, V] q of its pending drafts
+        self.graphs = None  # StepGraphs: decode/verify and drafter steps as CUDA graphs
+        if self.device.type == "cuda" and config.resolved_attention_backend == "triton" and not config.enforce_eager:
+            self.enable_graphs(capture=True)
+
+    def enable_graphs(self, capture: bool = True, **kw) -> None:
+        """Run decode/verify steps (and DSpark drafter steps) through dspark/engine/cuda_graphs.py:
+        captured now as CUDA graphs, or with ``capture=False`` the same fixed-shape steps eagerly
+        (how the CPU tests check them). A proposer that is not a DSpark drafter on the Triton path
+        cannot be captured: then every step stays eager."""
+        from dspark.engine.cuda_graphs import StepGraphs
+
+        graphs = StepGraphs(self, capture=capture, **kw)
+        if self.proposer is not None and not graphs.draft_graphs:
+            logger.warning("no CUDA graphs: the proposer %s has no graph path", type(self.proposer).__name__)
+            return
+        graphs.capture_all()
+        self.graphs = graphs
 
     def release(self, request_id: str) -> None:
         self.draft_probs.pop(request_id, None)
@@ -143,19 +163,26 @@ class ModelRunner:
             qsl.append(qsl[-1] + s.num_tokens)
             seq_lens.append(b)
             tables.append(kv.block_ids(r.request_id))
-        q_lens = torch.tensor([s.num_tokens for s in scheduled])
-        req_of_row = torch.repeat_interleave(torch.arange(len(scheduled)), q_lens)  # [T]
-        positions = torch.tensor(starts)[req_of_row] + torch.arange(qsl[-1]) - torch.tensor(qsl[:-1])[req_of_row]
-        width = max(len(t) for t in tables)
-        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
-        bs = self.block_size
-        slot_mapping = block_tables[req_of_row, positions // bs] * bs + positions % bs
-        layout = BatchLayout(
-            positions=positions.to(dev), slot_mapping=slot_mapping.to(dev), query_start_loc=qsl,
-            seq_lens=seq_lens, block_tables=block_tables.to(dev), block_size=bs,
-        )
-        meta = self.backend.prepare(layout)
-        hidden, taps = self.model(torch.tensor(ids, device=dev), layout.positions, self.backend, meta, self.kv_caches)
+        graph = self.graphs is not None and self.graphs.covers(scheduled)
+        taps = layout = block_tables = None
+        if graph:
+            # Fixed shapes: every request owns q rows, its real ones first (dspark/engine/cuda_graphs.py).
+            logits_all, graph_batch, bucket = self.graphs.run_target(scheduled, ids, starts, tables)
+        else:
+            q_lens = torch.tensor([s.num_tokens for s in scheduled])
+            req_of_row = torch.repeat_interleave(torch.arange(len(scheduled)), q_lens)  # [T]
+            positions = torch.tensor(starts)[req_of_row] + torch.arange(qsl[-1]) - torch.tensor(qsl[:-1])[req_of_row]
+            width = max(len(t) for t in tables)
+            block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
+            bs = self.block_size
+            slot_mapping = block_tables[req_of_row, positions // bs] * bs + positions % bs
+            layout = BatchLayout(
+                positions=positions.to(dev), slot_mapping=slot_mapping.to(dev), query_start_loc=qsl,
+                seq_lens=seq_lens, block_tables=block_tables.to(dev), block_size=bs,
+            )
+            meta = self.backend.prepare(layout)
+            hidden, taps = self.model(torch.tensor(ids, device=dev), layout.positions, self.backend, meta,
+                                      self.kv_caches)
 
         result = StepResult({})
         sampling = [(b, s) for b, s in enumerate(scheduled) if s.samples]
@@ -163,8 +190,13 @@ class ModelRunner:
         if sampling:
             # Rows that decide tokens: the last 1 + n_spec rows of each sampling request.
             first_row = {b: qsl[b + 1] - 1 - s.num_spec_tokens for b, s in sampling}
-            rows = torch.cat([torch.arange(first_row[b], qsl[b + 1]) for b, _ in sampling]).to(dev)
-            logits = self.model.compute_logits(hidden[rows])  # [sum(1 + n_spec), V] fp32
+            if graph:  # request b's rows start at b * q in the graph's output
+                q = self.graphs.q
+                rows = torch.cat([torch.arange(b * q, b * q + 1 + s.num_spec_tokens) for b, s in sampling]).to(dev)
+                logits = logits_all.view(-1, logits_all.shape[-1])[rows]
+            else:
+                rows = torch.cat([torch.arange(first_row[b], qsl[b + 1]) for b, _ in sampling]).to(dev)
+                logits = self.model.compute_logits(hidden[rows])  # [sum(1 + n_spec), V] fp32
             offset, at = {}, 0
             for b, s in sampling:
                 offset[b] = at
@@ -187,12 +219,18 @@ class ModelRunner:
         result.verify_time_s = t1 - t0
 
         if self.proposer is not None:
-            # Committed rows only: prefill rows and, of a verification, the anchor + accepted drafts.
-            keep = torch.cat([torch.arange(qsl[b], qsl[b + 1] - rejected[b]) for b in range(len(scheduled))])
-            if taps is not None and keep.numel():
-                keep = keep.to(dev)
-                self.proposer.write_context(taps[keep], layout.positions[keep], layout.slot_mapping[keep])
-            self._draft(sampling, result, block_tables.to(dev))
+            if graph and self.graphs.draft_graphs:
+                committed = [s.num_tokens - rejected[b] for b, s in enumerate(scheduled)]
+                self._draft(sampling, result, None, (graph_batch, bucket, committed))
+            else:
+                if graph:
+                    raise RuntimeError("a proposer without drafter graphs needs eager target steps")
+                # Committed rows only: prefill rows and, of a verification, the anchor + accepted drafts.
+                keep = torch.cat([torch.arange(qsl[b], qsl[b + 1] - rejected[b]) for b in range(len(scheduled))])
+                if taps is not None and keep.numel():
+                    keep = keep.to(dev)
+                    self.proposer.write_context(taps[keep], layout.positions[keep], layout.slot_mapping[keep])
+                self._draft(sampling, result, block_tables.to(dev))
             self._sync()
             result.draft_time_s = time.perf_counter() - t1
         return result
@@ -268,8 +306,9 @@ class ModelRunner:
             )
 
     # ------------------------------------------------------------------ drafting
-    def _draft(self, sampling, result: StepResult, block_tables: torch.Tensor) -> None:
-        """Draft the next block for every request that emitted tokens this step."""
+    def _draft(self, sampling, result: StepResult, block_tables: torch.Tensor | None, graph=None) -> None:
+        """Draft the next block for every request that emitted tokens this step; ``graph`` (padded
+        batch, bucket, committed rows per request): store the context and draft in a drafter graph."""
         cand = []
         for b, s in sampling:
             r = s.request
@@ -282,6 +321,8 @@ class ModelRunner:
             if n > 0:
                 cand.append((b, r, emitted[-1], new_len - 1, n))
         if not cand:
+            if graph is not None:  # the committed rows' context is still stored; no drafts wanted
+                self.graphs.run_draft(*graph, [], [], [], None, [])
             return
         dev = self.device
         N = max(c[4] for c in cand)
@@ -290,9 +331,14 @@ class ModelRunner:
         anchor_pos = torch.tensor([c[3] for c in cand], device=dev)
         prob = [self.spec.draft_sample_method == "probabilistic" and not r.params.greedy for r in reqs]
         batch = self._sampling_batch(reqs, [c[3] + 1 for c in cand])
-        prop = self.proposer.propose(reqs, anchors, anchor_pos, block_tables[[c[0] for c in cand]], N, batch, prob)
-        toks = prop.tokens.tolist()
+        if graph is not None:
+            tokens, probs = self.graphs.run_draft(*graph, [c[0] for c in cand],
+                                                  [c[2] for c in cand], [c[3] for c in cand], batch, prob)
+        else:
+            prop = self.proposer.propose(reqs, anchors, anchor_pos, block_tables[[c[0] for c in cand]], N, batch, prob)
+            tokens, probs = prop.tokens, prop.probs
+        toks = tokens.tolist()
         for j, (_, r, _, _, n) in enumerate(cand):
             result.drafts[r.request_id] = toks[j][:n]
             if prob[j]:
-                self.draft_probs[r.request_id] = prop.probs[j, :n]
+                self.draft_probs[r.request_id] = probs[j, :n]

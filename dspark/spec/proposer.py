@@ -70,12 +70,17 @@ class DSparkProposer:
                               dtype=w.dtype, device=w.device)
 
     @torch.inference_mode()
-    def write_context(self, taps: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
-        """Context K/V for committed rows only (taps [R, m·H] at positions [R] -> cache slots [R])."""
+    def write_context(self, taps: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                      valid: torch.Tensor | None = None) -> None:
+        """Context K/V for committed rows only (taps [R, m·H] at positions [R] -> cache slots [R]);
+        with ``valid`` [R] bool, only the rows it marks (a CUDA graph passes every row and a mask)."""
         if taps.shape[0] == 0:
             return
         if self.use_triton:
-            return self._write_context_triton(taps, positions, slots)
+            return self._write_context_triton(taps, positions, slots, valid)
+        if valid is not None:
+            keep = valid.nonzero().squeeze(1)
+            taps, positions, slots = taps[keep], positions[keep], slots[keep]
         for l, (k, v) in enumerate(self.drafter.context_entries(taps, positions)):
             self.kv[l, 0].view(-1, *k.shape[1:]).index_copy_(0, slots, k)
             self.kv[l, 1].view(-1, *v.shape[1:]).index_copy_(0, slots, v)
@@ -119,7 +124,8 @@ class DSparkProposer:
         return Proposal(tokens, probs, conf)
 
     # ------------------------------------------------------------------ Triton path
-    def _write_context_triton(self, taps: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+    def _write_context_triton(self, taps: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                              valid: torch.Tensor | None = None) -> None:
         """write_context through fused_ops.store_context_kv: DrafterLayer.context_kv's projection in
         torch, then k_norm + RoPE + the paged store in one kernel per drafter layer."""
         from dspark.kernels.fused_ops import store_context_kv
@@ -132,12 +138,12 @@ class DSparkProposer:
                 kv = kv + layer.qkv_proj.bias[layer.q_size:]
             k, v = kv.view(-1, 2 * layer.num_kv_heads, layer.head_dim).split(layer.num_kv_heads, dim=1)
             kn = layer.k_norm
-            store_context_kv(k, v, self.kv[l, 0], self.kv[l, 1], slots, None, positions, d.rope.cos,
+            store_context_kv(k, v, self.kv[l, 0], self.kv[l, 1], slots, valid, positions, d.rope.cos,
                              d.rope.sin_signed, kn.weight if kn is not None else None,
                              kn.eps if kn is not None else 1e-6)
 
     def _block_hidden_triton(self, anchors: torch.Tensor, anchor_pos: torch.Tensor, block_tables: torch.Tensor,
-                             num_slots: int) -> torch.Tensor:
+                             num_slots: int, max_ctx_len: int | None = None) -> torch.Tensor:
         """DSparkDrafter.block_hidden with each layer's attention done by drafter_attention straight
         over the paged context cache (no gather of the context, no mask): [B, num_slots, H]."""
         from dspark.kernels.drafter_attention import drafter_attention
@@ -161,24 +167,35 @@ class DSparkProposer:
             k = apply_rope(k, *cos_sin).view(B, G, layer.num_kv_heads, layer.head_dim).contiguous()
             v = v.reshape(B, G, layer.num_kv_heads, layer.head_dim).contiguous()
             o = drafter_attention(q, k, v, self.kv[l, 0], self.kv[l, 1], block_tables, anchor_pos,
-                                  layer.head_dim**-0.5)  # [B, γ, Hq, D]
+                                  layer.head_dim**-0.5, max_ctx_len=max_ctx_len)  # [B, γ, Hq, D]
             h = h + layer.o_proj(o.reshape(B * G, layer.q_size)).view(B, G, H)
             x = layer.post_attention_layernorm(h)
             h = h + layer.down_proj(silu_and_mul(layer.gate_up_proj(x.view(B * G, H)))).view(B, G, H)
         return d.norm(h)
 
-    def _propose_triton(self, anchors, anchor_pos, block_tables, num_drafts, batch, probabilistic) -> Proposal:
+    def propose_fixed(self, anchors, anchor_pos, block_tables, num_drafts, batch, prob_mask: torch.Tensor,
+                      any_prob: bool, max_ctx_len: int | None = None) -> Proposal:
+        """propose for a fixed-shape step (a CUDA graph, dspark/engine/cuda_graphs.py): the Triton path,
+        the rows' probabilistic flags as a device mask and only whether any row samples on the host;
+        ``max_ctx_len`` is the graph's context bucket. Reads no tensor value on the host."""
+        B = anchors.shape[0]
+        return self._propose_triton(anchors, anchor_pos, block_tables, num_drafts, batch, [any_prob] * B,
+                                    prob_mask=prob_mask, max_ctx_len=max_ctx_len)
+
+    def _propose_triton(self, anchors, anchor_pos, block_tables, num_drafts, batch, probabilistic,
+                        prob_mask: torch.Tensor | None = None, max_ctx_len: int | None = None) -> Proposal:
         """propose with the Triton kernels: block attention over the paged cache, then the fused
         Markov sampler (markov_sample, which picks the tokens the PyTorch loop picks); the confidence
         head, which needs only the drafted tokens, runs after it."""
         from dspark.kernels.markov_sampler import markov_sample
 
         d = self.drafter
-        h = self._block_hidden_triton(anchors, anchor_pos, block_tables, self.num_slots)  # [B, γ, H]
+        h = self._block_hidden_triton(anchors, anchor_pos, block_tables, self.num_slots, max_ctx_len)  # [B, γ, H]
         U = d.base_logits(h[:, :num_drafts])  # [B, N, V] fp32
         w1 = d.markov_w1.weight if d.markov_w1 is not None else None
         w2_t = d.markov_w2.weight_t if d.markov_w2 is not None else None
-        tokens, probs = markov_sample(U, anchors, w1, w2_t, batch, anchor_pos + 1, list(probabilistic))
+        tokens, probs = markov_sample(U, anchors, w1, w2_t, batch, anchor_pos + 1, list(probabilistic),
+                                      prob_mask=prob_mask)
         conf = None
         if d.confidence is not None:
             conf = torch.empty(anchors.shape[0], num_drafts, device=anchors.device)

@@ -1,0 +1,83 @@
+"""The fixed-shape steps of dspark/engine/cuda_graphs.py, run eagerly (``capture=False``) on the CPU in
+Triton's interpreter: every padding rule a CUDA graph relies on (requests padded to q rows, padding
+requests on the dummy block, context buckets, the drafter's context store behind a mask) must give
+the same tokens as the ordinary eager step. The capture itself needs a GPU (benchmarks/gpu_*.sh)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from dspark import LLM, SamplingParams  # noqa: E402
+from dspark.engine.cuda_graphs import context_buckets, graph_batch_sizes  # noqa: E402
+from tests.conftest import write_tiny_checkpoint  # noqa: E402
+from tests.spec.drafters import random_drafter  # noqa: E402
+
+
+def test_sizes_and_buckets():
+    assert graph_batch_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 48, 64]
+    assert graph_batch_sizes(5) == [1, 2, 4, 5]
+    assert context_buckets(8192 + 6) == [512, 1024, 2048, 4096, 8192, 8198]
+    assert context_buckets(300) == [300]
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("cg") / "t", "llama", seed=7)
+
+
+@pytest.fixture(scope="module")
+def drafter(tmp_path_factory, target):
+    return random_drafter(tmp_path_factory.mktemp("cg") / "d", target, target_layer_ids=[0], block_size=4)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(4, 512, (n,), generator=g).tolist() for n in (3, 9, 26)]
+
+
+def _run(target, prompts, params, graphs: bool, **kw):
+    llm = LLM(str(target), device="cpu", block_size=4, num_kv_blocks=64, attention_backend="triton",
+              max_num_seqs=3, **kw)
+    runner = llm.engine.runner
+    if graphs:
+        # Padded sizes 2 and 4 for a batch of 1-3; buckets small enough that steps change bucket.
+        runner.enable_graphs(capture=False, batch_sizes=[2, 4], buckets=[16, 32, 64])
+        assert runner.graphs is not None
+    outs = llm.generate(prompts, params)
+    assert llm.engine.kv.check_integrity()["in_use"] == 0
+    return [o.token_ids for o in outs], llm
+
+
+@pytest.mark.parametrize("spec", [False, True], ids=["plain", "dspark"])
+def test_graph_steps_match_eager_greedy(target, drafter, prompts, spec):
+    kw = {"speculative_config": {"model": str(drafter)}} if spec else {}
+    # Different lengths: the batch shrinks 3 -> 2 -> 1 (padded 4, 2, 2) and the longest request
+    # crosses from bucket 32 to 64.
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (5, 9, 14)]
+    want, _ = _run(target, prompts, params, False, **kw)
+    got, llm = _run(target, prompts, params, True, **kw)
+    assert got == want
+    g = llm.engine.runner.graphs
+    assert g.stats["target"] > 0 and (g.stats["draft"] > 0) == spec  # the graph path really ran
+    assert {B for B, _ in g.target} == {2, 4} and {k for _, k in g.target} >= {32, 64}
+
+
+def test_graph_steps_match_eager_sampled(target, drafter, prompts):
+    """Probabilistic drafts and standard verification at temperature 1, seeded: the graph path draws
+    the same noise at the same (seed, position, stream), so the tokens are the same; some drafts
+    are accepted, so committed verification rows reach the drafter's context through the mask."""
+    kw = {"speculative_config": {"model": str(drafter), "draft_sample_method": "probabilistic"}}
+    params = [SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=i) for i in range(3)]
+    want, ref = _run(target, prompts, params, False, **kw)
+    got, llm = _run(target, prompts, params, True, **kw)
+    assert got == want
+    st, ref_st = llm.engine.spec_stats, ref.engine.spec_stats
+    assert (st.num_drafts, st.num_accepted) == (ref_st.num_drafts, ref_st.num_accepted)
+    assert llm.engine.runner.graphs.stats["draft"] > 0 and st.num_accepted > 0
