@@ -26,6 +26,9 @@ dspark/kernels/paged_attention.py; no context is gathered into dense copies and 
   second backend.
 - Off the GPU the kernels run in Triton's interpreter (numpy, very slow): for tests only.
 
+With this backend the runner also sets ``LlamaForCausalLM.fused``: the decoder layer then writes K/V in
+its fused RoPE kernel and calls ``attend`` (attention only) instead of ``forward``.
+
 The DSpark drafter does not use this backend: its block pass attends over its own context cache
 (dspark/spec/proposer.py, dspark/models/dspark_drafter.py).
 """
@@ -96,6 +99,11 @@ class TritonAttentionBackend:
 
     def forward(self, q, k, v, k_cache, v_cache, meta: TritonAttentionMetadata, scale: float) -> torch.Tensor:
         self._write_kv(_last_dim_contiguous(k), _last_dim_contiguous(v), k_cache, v_cache, meta.slot_mapping)
+        return self.attend(q, k_cache, v_cache, meta, scale)
+
+    def attend(self, q, k_cache, v_cache, meta: TritonAttentionMetadata, scale: float) -> torch.Tensor:
+        """Attention only, over K/V the caller already wrote at ``meta.slot_mapping`` (the fused decoder
+        layer writes them in its RoPE kernel, fused_ops.rope_qk_cache): ``forward`` without write_kv."""
         return self._paged_attention(
             _last_dim_contiguous(q), k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             scale, max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
