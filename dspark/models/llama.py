@@ -5,6 +5,16 @@ request's rows and cache slots through the backend metadata. q/k/v and gate/up a
 matmul each (fewer kernels per step). The model can also return the raw outputs (the residual stream
 before the final norm) of chosen decoder layers — the taps a DSpark drafter is fed with; with no taps
 requested nothing extra is computed or stored.
+
+Two forwards, chosen by ``LlamaForCausalLM.fused``:
+
+- unfused (default; the CPU path and the PyTorch attention backend's): PyTorch ops, the attention
+  backend's ``forward`` writing K/V and attending.
+- fused (set by the runner with the Triton attention backend): the same math on the fused Triton
+  kernels of dspark/kernels/fused_ops.py, see ``DecoderLayer.forward_fused``. On a GPU a small model
+  is launch-bound at decode (every launch costs several µs, ~30 layers), so the point is fewer
+  launches per layer: 9 (10 when paged attention splits the key range) instead of 26 for Llama in
+  bf16 (22 in fp32, 8 more with Qwen3's q/k norm), counting each F.rms_norm as one kernel.
 """
 
 from __future__ import annotations
@@ -16,6 +26,7 @@ from dspark.config import ModelConfig
 from dspark.layers.attention import AttentionBackend
 from dspark.layers.basic import RMSNorm, RotaryEmbedding, apply_rope, silu_and_mul
 from dspark.layers.linear import Linear
+from dspark.layers.triton_attention import TritonAttentionBackend, TritonAttentionMetadata
 from dspark.models.errors import ModelLoadError
 
 
@@ -68,6 +79,36 @@ class DecoderLayer(nn.Module):
         h = h + self.self_attn(self.input_layernorm(h), cos_sin, backend, meta, kv)
         return h + self.mlp(self.post_attention_layernorm(h))
 
+    def forward_fused(self, x: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor,
+                      rope: RotaryEmbedding, backend: TritonAttentionBackend, meta: TritonAttentionMetadata,
+                      kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` on the fused Triton kernels, in vLLM's residual chain: the residual adds are
+        fused into the following RMSNorm (fused_ops.add_rms_norm), so a layer takes its input already
+        normed (``x = input_layernorm(residual)``, done by the caller together with the previous
+        layer's last add) and returns ``(mlp_out, residual)`` unsummed; the caller's next add_rms_norm
+        forms this layer's output ``residual + mlp_out``. Launches (GEMMs unchanged):
+
+        qkv GEMM -> rope_qk_cache (q/k norm, RoPE, K/V cache write) -> paged attention (+ the split
+        merge) -> o_proj GEMM -> add_rms_norm (residual add + post-attention norm) -> gate_up GEMM ->
+        silu_and_mul -> down GEMM; plus the caller's add_rms_norm: 9 launches (10 with a key split).
+
+        Reads no tensor value on the host, so it can be captured in a CUDA graph."""
+        from dspark.kernels.fused_ops import add_rms_norm, rope_qk_cache, silu_and_mul as silu_and_mul_kernel
+
+        a = self.self_attn
+        T = x.shape[0]
+        q, k, v = a.qkv_proj(x).split([a.q_size, a.kv_size, a.kv_size], dim=-1)
+        qk_norm = (a.q_norm.weight, a.k_norm.weight, a.q_norm.eps) if a.q_norm is not None else (None, None, 0.0)
+        q, _ = rope_qk_cache(  # K/V land in the cache here (slot < 0: padding, skipped)
+            q.view(T, a.num_heads, a.head_dim), k.view(T, a.num_kv_heads, a.head_dim),
+            v.view(T, a.num_kv_heads, a.head_dim), positions, rope.cos, rope.sin_signed, kv[0], kv[1],
+            meta.slot_mapping, *qk_norm,
+        )
+        o = backend.attend(q, kv[0], kv[1], meta, a.scale)  # K/V already in the cache: attention only
+        norm = self.post_attention_layernorm
+        x, residual = add_rms_norm(a.o_proj(o.reshape(T, a.q_size)), residual, norm.weight, norm.eps)
+        return self.mlp.down_proj(silu_and_mul_kernel(self.mlp.gate_up_proj(x))), residual
+
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int, tap_layers: tuple[int, ...] = ()) -> None:
@@ -86,7 +127,7 @@ class LlamaForCausalLM(nn.Module):
         # ties that any kernel difference flips (verify vs decode, dspark vs HF).
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         # True: the decoder layers use the fused Triton kernels (set by the runner with the triton
-        # attention backend); False: the PyTorch ops.
+        # attention backend, the only backend it works with); False: the PyTorch ops.
         self.fused = False
 
     def forward(
@@ -98,6 +139,8 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: torch.Tensor,  # [L, 2, num_blocks, block_size, Hkv, D]
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns (final-normed hidden states [T, H], taps [T, len(tap_layers) * H] or None)."""
+        if self.fused:
+            return self._forward_fused(input_ids, positions, backend, meta, kv_caches)
         h = self.embed_tokens(input_ids)
         cos_sin = self.rope.cos_sin(positions, h.dtype)
         taps: dict[int, torch.Tensor] = {}
@@ -107,6 +150,29 @@ class LlamaForCausalLM(nn.Module):
                 taps[i] = h
         tap = torch.cat([taps[i] for i in self.tap_layers], dim=-1) if taps else None
         return self.norm(h), tap
+
+    def _forward_fused(self, input_ids, positions, backend, meta, kv_caches):
+        """``forward`` on the fused kernels (DecoderLayer.forward_fused). Each add_rms_norm adds a
+        layer's MLP output to the residual stream and norms the sum for the next layer (or the final
+        norm); the sum it returns is that layer's raw output, the tap, rounded to the activations'
+        dtype as the unfused ``h + mlp(..)`` is."""
+        if not isinstance(backend, TritonAttentionBackend):
+            raise TypeError(f"LlamaForCausalLM.fused needs the Triton attention backend (it writes K/V in its own "
+                            f"RoPE kernel and calls TritonAttentionBackend.attend), got {type(backend).__name__}; "
+                            "set fused = False for other backends")
+        from dspark.kernels.fused_ops import add_rms_norm
+
+        norm = self.layers[0].input_layernorm
+        x, residual = add_rms_norm(self.embed_tokens(input_ids), None, norm.weight, norm.eps)
+        taps: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            mlp_out, residual = layer.forward_fused(x, residual, positions, self.rope, backend, meta, kv_caches[i])
+            norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            x, residual = add_rms_norm(mlp_out, residual, norm.weight, norm.eps)  # residual: layer i's output
+            if i in self.tap_layers:
+                taps[i] = residual
+        tap = torch.cat([taps[i] for i in self.tap_layers], dim=-1) if taps else None
+        return x, tap
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] -> [N, V] float32 logits (fp32 matmul whatever the model dtype)."""
