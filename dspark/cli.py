@@ -168,6 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0)
     d.set_defaults(func=cmd_init_drafter)
 
+    from dspark.bench.correctness import add_bench_correctness_parser
     from dspark.bench.decode import add_bench_decode_parser
     from dspark.bench.matrix import add_bench_matrix_arguments
     from dspark.bench.serve import add_bench_serve_parser
@@ -177,9 +178,10 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(b)
     add_bench_matrix_arguments(b)
     b.set_defaults(func=cmd_bench)
-    bench_sub = b.add_subparsers(dest="bench_command", required=False, metavar="{decode,serve}")
+    bench_sub = b.add_subparsers(dest="bench_command", required=False, metavar="{decode,serve,correctness}")
     add_bench_decode_parser(bench_sub, _engine_args)
     add_bench_serve_parser(bench_sub)
+    add_bench_correctness_parser(bench_sub, _engine_args)
 
     from dspark.train.cli import add_eval_parser, add_train_parser
 
