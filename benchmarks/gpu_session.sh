@@ -5,7 +5,11 @@
 #   1. the long-context recall test at full size (3,000-6,000 tokens, 16 concurrent vs serial) on the GPU,
 #      speculating with the shipped drafter;
 #   2. `dspark bench serve` against `dspark serve` on the GPU, without and with DSpark;
-#   3. the Triton kernel benchmarks (benchmarks/kernel_*_bench.py).
+#   3. the Triton kernel benchmarks (benchmarks/kernel_*_bench.py);
+#   graphs: the CUDA-graph checks and step timings on random weights (benchmarks/gpu_graphs_check.py);
+#   correctness: `dspark bench correctness` (spec vs no spec vs HF, greedy, 64 prompts x 128 tokens);
+#   bench: `dspark bench`, the side-by-side matrix (HF static+compiled, dspark, dspark + DSpark).
+# STEPS picks and orders them; BACKEND (default triton) is the attention backend of the dspark runs.
 set -uo pipefail
 bash benchmarks/gguf_pieces.sh  # joins the GGUF from the pieces carried so far
 [ -f /tmp/smollm.gguf ] || exit 1
@@ -48,6 +52,18 @@ for _ in range(240):
       echo "bench serve $mode rc=$?"; tail -n 14 "$OUT/bench_serve_$mode.log"
       kill $pid; wait $pid 2>/dev/null
     done ;;
+  graphs)
+    timeout ${GRAPHS_S:-240} python3 benchmarks/gpu_graphs_check.py "$OUT/graphs" ${GRAPHS_PARTS:-correct,steps} \
+      > "$OUT/graphs.log" 2>&1; echo "graphs rc=$?"; grep -v "^ " "$OUT/graphs.log" | tail -n 30 ;;
+  correctness)
+    timeout ${CORRECT_S:-200} python3 -m dspark.cli bench correctness --device $DEV --attention-backend ${BACKEND:-triton} \
+      --prompt-source /tmp/sharegpt_prompts.json.gz --out "$OUT/correctness.json" > "$OUT/correctness.log" 2>&1
+    echo "correctness rc=$?"; tail -n 25 "$OUT/correctness.log" ;;
+  bench)
+    timeout ${BENCH_S:-300} python3 -m dspark.cli bench --device $DEV --attention-backend ${BACKEND:-triton} \
+      --prompt-source /tmp/sharegpt_prompts.json.gz --json "$OUT/bench.json" --plot-dir "$OUT/plots" \
+      ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
+    echo "bench rc=$?"; tail -n 40 "$OUT/bench.log" ;;
   kernels)
     for k in attention ops; do
       [ -f benchmarks/kernel_${k}_bench.py ] || continue

@@ -1,0 +1,183 @@
+"""GPU check and step timings of the CUDA-graph path, on random weights (no GGUF needed, so it can run
+in the device calls that bring the GGUF pieces). Usage: python benchmarks/gpu_graphs_check.py OUT_DIR [parts]
+
+parts (comma-separated, default all):
+  correct  tiny random Llama + random DSpark drafter, fp32 and bf16: greedy and seeded temperature-1
+           outputs with captured graphs == the same engine eager (enforce_eager) == the torch backend.
+  steps    SmolLM2-135M shapes (random weights) with the shipped drafter's shapes, bf16: GPU time of one
+           graph replay (CUDA events) for the target decode step (q=1), the verification step (q=1+N)
+           and the drafter step, at batch 1/8/32, context 1k; the 1k-context decode step under
+           max_model_len 8192 vs 1024 (context buckets); eager vs graph engine tok/s at batch 1.
+Writes OUT_DIR/graphs_check.json and prints a summary.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+import types
+from pathlib import Path
+
+import torch
+
+from dspark import LLM, SamplingParams
+
+out_dir = Path(sys.argv[1])
+parts = sys.argv[2].split(",") if len(sys.argv) > 2 else ["correct", "steps"]
+out_dir.mkdir(parents=True, exist_ok=True)
+res: dict = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d")}
+tmp = Path(tempfile.mkdtemp())
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.conftest import write_tiny_checkpoint  # noqa: E402
+from tests.spec.drafters import random_drafter  # noqa: E402
+
+
+def save():
+    (out_dir / "graphs_check.json").write_text(json.dumps(res, indent=1))
+
+
+def outputs(llm, prompts, params):
+    return [o.token_ids for o in llm.generate(prompts, params)]
+
+
+if "correct" in parts:
+    target = write_tiny_checkpoint(tmp / "t", "llama", seed=7, max_position_embeddings=512)
+    drafter = random_drafter(tmp / "d", target, target_layer_ids=[0], block_size=4)
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(4, 512, (n,), generator=g).tolist() for n in (3, 9, 26, 40, 5)]
+    greedy = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (20, 33, 48, 12, 40)]
+    sampled = [SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True, seed=i) for i in range(5)]
+    checks = {}
+    for dtype in ("float32", "bfloat16"):
+        for spec in (None, {"model": str(drafter)}, {"model": str(drafter), "draft_sample_method": "probabilistic"}):
+            name = f"{dtype}/{'plain' if spec is None else spec.get('draft_sample_method', 'greedy-draft')}"
+            kw = dict(device="cuda", dtype=dtype, block_size=16, max_num_seqs=8, max_model_len=256)
+            if spec:
+                kw["speculative_config"] = spec
+            try:
+                t0 = time.perf_counter()
+                graph = LLM(str(target), attention_backend="triton", **kw)
+                cap_s = time.perf_counter() - t0
+                eager = LLM(str(target), attention_backend="triton", enforce_eager=True, **kw)
+                torch_b = LLM(str(target), attention_backend="torch", **kw)
+                row = {"capture_s": round(cap_s, 1), "graphs": len(graph.engine.runner.graphs.target)
+                       + len(graph.engine.runner.graphs.draft)}
+                for pname, params in (("greedy", greedy), ("sampled", sampled)):
+                    a, b, c = outputs(graph, prompts, params), outputs(eager, prompts, params), outputs(torch_b, prompts, params)
+                    row[pname] = {"graph==eager": a == b, "graph==torch": a == c,
+                                  "same_prompts": sum(x == y for x, y in zip(a, b))}
+                row["replays"] = dict(graph.engine.runner.graphs.stats)
+                row["blocks_in_use_after"] = graph.engine.kv.check_integrity()["in_use"]
+                if spec:
+                    st = graph.engine.spec_stats
+                    row["drafts"], row["accepted"] = st.num_drafts, st.num_accepted
+            except Exception as e:  # report and go on to the next configuration
+                import traceback
+
+                row = {"error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()[-3000:]}
+            checks[name] = row
+            print(name, json.dumps({k: v for k, v in row.items() if k != "tb"}), flush=True)
+            if "tb" in row:
+                print(row["tb"], flush=True)
+    res["correct"] = checks
+    save()
+
+
+def replay_ms(graphs, table, key, reps=200):
+    c = table[key]
+    for _ in range(10):
+        c.graph.replay()
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(reps):
+        c.graph.replay()
+    e1.record()
+    torch.cuda.synchronize()
+    return e0.elapsed_time(e1) / reps
+
+
+def fill(graphs, B, ctx):
+    """Inputs for B requests at context ctx (blocks 1.. per request), via run_target's own code path."""
+    q = graphs.q
+    nb = -(-(ctx + q) // graphs.block_size)
+    sched = [types.SimpleNamespace(num_tokens=q, num_spec_tokens=q - 1, samples=True) for _ in range(B)]
+    ids = [5] * (B * q)
+    starts = [ctx - 1] * B
+    tables = [list(range(1 + b * nb, 1 + (b + 1) * nb)) for b in range(B)]
+    t0 = time.perf_counter()
+    _, Bg, bucket = graphs.run_target(sched, ids, starts, tables)
+    torch.cuda.synchronize()
+    return Bg, bucket, (time.perf_counter() - t0) * 1e3
+
+
+if "steps" in parts:
+    from dspark.drafters import shipped_drafter
+
+    smol = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                rope_theta=100000.0, tie_word_embeddings=True, initializer_range=0.02)
+    target = write_tiny_checkpoint(tmp / "smol", "llama", seed=1, **smol)
+    drafter = shipped_drafter("smollm2-135m-instruct")
+    steps: dict = {}
+    for max_len in (8192, 1024):
+        for spec in (False, True):
+            name = f"max_model_len={max_len}/{'dspark' if spec else 'plain'}"
+            if max_len == 1024 and spec:
+                continue
+            kw = dict(device="cuda", dtype="bfloat16", max_model_len=max_len, max_num_seqs=32,
+                      attention_backend="triton", kv_cache_memory_gb=4)
+            if spec:
+                kw["speculative_config"] = {"model": str(drafter)}
+            try:
+                t0 = time.perf_counter()
+                llm = LLM(str(target), **kw)
+                row = {"startup_s": round(time.perf_counter() - t0, 1)}
+                gr = llm.engine.runner.graphs
+                for B in (1, 8, 32):
+                    Bg, bucket, host_ms = fill(gr, B, 1000)
+                    row[f"B{B}"] = {"bucket": bucket, "target_ms": round(replay_ms(gr, gr.target, (Bg, bucket)), 4),
+                                    "fill_and_replay_ms": round(host_ms, 3)}
+                    if spec:
+                        row[f"B{B}"]["draft_ms"] = round(replay_ms(gr, gr.draft, (Bg, bucket, False)), 4)
+                        row[f"B{B}"]["draft_prob_ms"] = round(replay_ms(gr, gr.draft, (Bg, bucket, True)), 4)
+                if max_len == 8192:
+                    Bg, bucket, _ = fill(gr, 1, 1000)
+                    row["B1_ctx1000_in_full_length_graph_ms"] = round(replay_ms(gr, gr.target, (1, gr.buckets[-1])), 4)
+                    Bg, bucket, _ = fill(gr, 1, 4000)
+                    row["B1_ctx4000"] = {"bucket": bucket, "target_ms": round(replay_ms(gr, gr.target, (1, bucket)), 4)}
+                # engine end to end, batch 1, 256 tokens, graphs vs eager
+                p = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
+                prompt = [[7] * 200]
+                llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                o = llm.generate(prompt, p)
+                dt = time.perf_counter() - t0
+                row["engine_b1_tok_s_graphs"] = round(len(o[0].token_ids) / dt, 1)
+                del llm
+                torch.cuda.empty_cache()
+                if max_len == 8192:
+                    eager = LLM(str(target), enforce_eager=True, **kw)
+                    eager.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    o2 = eager.generate(prompt, p)
+                    row["engine_b1_tok_s_eager"] = round(len(o2[0].token_ids) / (time.perf_counter() - t0), 1)
+                    row["eager==graphs"] = o2[0].token_ids == o[0].token_ids
+                    del eager
+                    torch.cuda.empty_cache()
+            except Exception as e:
+                import traceback
+
+                row = {"error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()[-3000:]}
+            steps[name] = row
+            print(name, json.dumps({k: v for k, v in row.items() if k != "tb"}), flush=True)
+            if "tb" in row:
+                print(row["tb"], flush=True)
+            res["steps"] = steps
+            save()
+save()
+print("done", flush=True)
