@@ -46,16 +46,15 @@ import logging
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from dspark.sample.sampler import SamplingBatch
-from dspark.sampling_params import SamplingParams
+from dspark.sample.sampler import SamplingBatch, sampling_row
 
 logger = logging.getLogger(__name__)
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
 SMALLEST_BUCKET = 512
-_GREEDY = SamplingParams(temperature=0.0)
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -110,40 +109,41 @@ class StepGraphs:
         dev = runner.device
         Bm = max(self.batch_sizes)
         Tm = Bm * q
-        self.max_batch = Bm
+        self.max_batch, self.max_rows = Bm, Tm
         self.width = -(-max_len // bs)
+        V = runner.vocab_size
         i64 = dict(dtype=torch.int64, device=dev)
-        # Packed integer inputs: [input ids (Tm) | positions (Tm) | slots (Tm) | anchors (Bm) | anchor pos (Bm)]
-        self.ints = torch.zeros(3 * Tm + 2 * Bm, **i64)
-        self.input_ids = self.ints[:Tm]
-        self.positions = self.ints[Tm:2 * Tm]
-        self.slot_mapping = self.ints[2 * Tm:3 * Tm]
-        self.anchors = self.ints[3 * Tm:3 * Tm + Bm]
-        self.anchor_pos = self.ints[3 * Tm + Bm:]
-        self.seq_lens = torch.zeros(Bm, dtype=torch.int32, device=dev)
-        self.query_start_loc = (torch.arange(Bm + 1, dtype=torch.int32) * q).to(dev)
-        self.block_tables = torch.zeros(Bm, self.width, **i64)
-        self.valid = torch.zeros(Tm, dtype=torch.bool, device=dev)
+        f32 = dict(dtype=torch.float32, device=dev)
         pin = dev.type == "cuda"
-        self._h_ints = torch.zeros(self.ints.shape, dtype=torch.int64, pin_memory=pin)
-        self._h_seq = torch.zeros(Bm, dtype=torch.int32, pin_memory=pin)
-        self._h_valid = torch.zeros(Tm, dtype=torch.bool, pin_memory=pin)
+        # Device inputs, each packed by type so that a step's inputs go over in few host->device copies
+        # from pinned host twins (the numpy views ``_h*``):
+        #   ints  [input ids (Tm) | positions (Tm) | slots (Tm) | anchors (Bm) | anchor pos (Bm) | top-k (Bm) | seeds (Bm)]
+        #   floats [temperature (Bm) | top-p (Bm) | min-p (Bm)]     flags [valid rows (Tm) | probabilistic (Bm)]
+        self.ints = torch.zeros(3 * Tm + 4 * Bm, **i64)
+        self.floats = torch.zeros(3 * Bm, **f32)
+        self.flags = torch.zeros(Tm + Bm, dtype=torch.bool, device=dev)
+        self.seq_lens = torch.zeros(Bm, dtype=torch.int32, device=dev)
+        self.block_tables = torch.zeros(Bm, self.width, **i64)
+        self._pinned = [torch.zeros(t.shape, dtype=t.dtype, pin_memory=pin)
+                        for t in (self.ints, self.floats, self.flags, self.seq_lens, self.block_tables)]
+        self._hi, self._hf, self._hb, self._hs, self._ht = (t.numpy() for t in self._pinned)
+        self.input_ids, self.positions, self.slot_mapping = (self.ints[i * Tm:(i + 1) * Tm] for i in range(3))
+        self.anchors, self.anchor_pos, top_k, seeds = (self.ints[3 * Tm + i * Bm:3 * Tm + (i + 1) * Bm] for i in range(4))
+        temperature, top_p, min_p = (self.floats[i * Bm:(i + 1) * Bm] for i in range(3))
+        self.valid, self.prob_mask = self.flags[:Tm], self.flags[Tm:]
+        self.query_start_loc = (torch.arange(Bm + 1, dtype=torch.int32) * q).to(dev)
         self.taps = None
         if runner.proposer is not None and runner.model.tap_layers:
             mc = runner.model_config
             self.taps = torch.zeros(Tm, len(runner.model.tap_layers) * mc.hidden_size, dtype=cfg.dtype, device=dev)
         if self.draft_graphs:
-            V = runner.vocab_size
-            f32 = dict(dtype=torch.float32, device=dev)
             self.sampling = SamplingBatch(
-                temperature=torch.zeros(Bm, **f32), top_k=torch.full((Bm,), V, **i64),
-                top_p=torch.ones(Bm, **f32), min_p=torch.zeros(Bm, **f32), seeds=torch.zeros(Bm, **i64),
+                temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seeds=seeds,
                 positions=torch.zeros(Bm, **i64), repetition_penalty=torch.ones(Bm, **f32),
                 frequency_penalty=torch.zeros(Bm, **f32), presence_penalty=torch.zeros(Bm, **f32),
                 all_greedy=False, all_random=False, no_top_k=False, no_top_p=False, no_min_p=False,
                 no_penalties=True, max_top_k=V,
             )
-            self.prob_mask = torch.zeros(Bm, dtype=torch.bool, device=dev)
         self.target: dict[tuple[int, int], _Captured] = {}
         self.draft: dict[tuple[int, int, bool], _Captured] = {}
         self.pool = None
@@ -225,12 +225,15 @@ class StepGraphs:
                     if self.draft_graphs else "")
 
     def _reset_inputs(self) -> None:
-        """Capture-time inputs: every request a padding request on the dummy block."""
+        """Capture-time inputs: every request a padding request on the dummy block, every row greedy."""
         self.ints.zero_()
         self.block_tables.zero_()
         self.seq_lens.fill_(self.q)
-        self.valid.zero_()
+        self.flags.zero_()
         self.positions.view(-1, self.q).copy_(torch.arange(self.q, device=self.positions.device))
+        if self.draft_graphs:
+            self.sampling.top_k.fill_(self.runner.vocab_size)
+            self.sampling.top_p.fill_(1.0)
 
     # ------------------------------------------------------------------ one step
     def covers(self, scheduled) -> bool:
@@ -245,78 +248,78 @@ class StepGraphs:
     def run_target(self, scheduled, ids: list[int], starts: list[int], tables: list[list[int]]):
         """Fill the inputs for the scheduled requests (flattened ``ids``, each request's first position
         ``starts[b]`` and block table) and replay. Returns (logits [B_pad, q, V], B_pad, bucket)."""
-        q, bs = self.q, self.block_size
+        q, bs, Tm = self.q, self.block_size, self.max_rows
         B = len(scheduled)
         Bg = _pick(self.batch_sizes, B)
-        Tm = self.input_ids.shape[0]
-        h = self._h_ints
-        flat: list[int] = []
-        at = 0
-        for s in scheduled:
-            n = s.num_tokens
-            flat += ids[at:at + n]
-            flat += [0] * (q - n)
-            at += n
-        h[:Bg * q] = torch.tensor(flat + [0] * ((Bg - B) * q))
-        width = min(self.width, max(max(-(-(st + q) // bs) for st in starts), max(len(t) for t in tables)))
-        table = torch.tensor([t[:width] + [0] * (width - len(t)) for t in tables] + [[0] * width] * (Bg - B))
-        st_t = torch.tensor(starts + [0] * (Bg - B))
-        n_t = torch.tensor([s.num_tokens for s in scheduled] + [0] * (Bg - B))
-        pos = st_t[:, None] + torch.arange(q)[None, :]  # [Bg, q]; padding rows follow the real ones
-        blk = table.gather(1, (pos // bs).clamp(max=width - 1))
-        slots = torch.where(torch.arange(q)[None, :] < n_t[:, None], blk * bs + pos % bs, 0)  # padding: slot 0
-        h[Tm:Tm + Bg * q] = pos.view(-1)
-        h[2 * Tm:2 * Tm + Bg * q] = slots.view(-1)
-        self._h_seq[:Bg] = st_t + q
-        longest = max(starts) + q
-        bucket = _pick(self.buckets, longest)
-        self.ints.copy_(h, non_blocking=True)
-        self.seq_lens.copy_(self._h_seq, non_blocking=True)
-        self.block_tables[:Bg, :width].copy_(table, non_blocking=False)
+        n = np.fromiter((s.num_tokens for s in scheduled), np.int64, B)
+        st = np.asarray(starts, dtype=np.int64)
+        j = np.arange(q)
+        real = np.zeros((Bg, q), dtype=bool)
+        real[:B] = j[None, :] < n[:, None]
+        h = self._hi
+        ids_v = h[:Bg * q].reshape(Bg, q)
+        ids_v[:] = 0
+        ids_v[real] = ids  # row-major order of the real rows = the flattened ids' order
+        pos = h[Tm:Tm + Bg * q].reshape(Bg, q)
+        pos[:B] = st[:, None] + j[None, :]  # padding rows follow the real ones
+        pos[B:] = j[None, :]
+        width = min(self.width, max(-(-(int(st.max()) + q) // bs), max(len(t) for t in tables)))
+        tbl = self._ht
+        tbl[:Bg, :width] = 0
+        for b, t in enumerate(tables):
+            t = t[:width]
+            tbl[b, :len(t)] = t
+        blk = np.take_along_axis(tbl[:Bg], np.minimum(pos // bs, width - 1), 1)
+        h[2 * Tm:2 * Tm + Bg * q] = np.where(real, blk * bs + pos % bs, 0).reshape(-1)  # padding: dummy slot 0
+        self._hs[:B] = st + q
+        self._hs[B:Bg] = q
+        bucket = _pick(self.buckets, int(st.max()) + q)
+        hi, _, _, hs, ht = self._pinned
+        self.ints[:3 * Tm].copy_(hi[:3 * Tm], non_blocking=True)
+        self.seq_lens.copy_(hs, non_blocking=True)
+        self.block_tables[:Bg].copy_(ht[:Bg], non_blocking=True)
         (logits,) = self._run(self.target, (Bg, bucket), self._target_step)
         self.stats["target"] += 1
         return logits.view(Bg, q, -1), Bg, bucket
 
-    def run_draft(self, Bg: int, bucket: int, committed: list[int], rows: list[int],
-                  anchors: list[int], anchor_pos: list[int], batch: SamplingBatch | None, prob: list[bool]):
+    def run_draft(self, Bg: int, bucket: int, committed: list[int], rows: list[int], anchors: list[int],
+                  anchor_pos: list[int], params: list, seeds: list[int], prob: list[bool]):
         """After run_target: store the drafter context of the first ``committed[b]`` rows of each
-        request, then draft for the batch rows ``rows`` (anchors, anchor positions, their SamplingBatch
-        and probabilistic flags; none: the context store alone matters). Returns (tokens [len(rows), N],
-        probs [len(rows), N, V] | None)."""
-        q = self.q
-        Tm = self.input_ids.shape[0]
-        v = self._h_valid.view(-1, q)
-        v[:Bg] = False
-        for b, c in enumerate(committed):
-            v[b, :c] = True
-        h = self._h_ints
-        a = h[3 * Tm:3 * Tm + self.max_batch]
-        ap = h[3 * Tm + self.max_batch:]
-        a[:Bg] = 0
-        ap[:Bg] = 0
-        idx = torch.tensor(rows, dtype=torch.int64)
-        a[idx] = torch.tensor(anchors, dtype=torch.int64)
-        ap[idx] = torch.tensor(anchor_pos, dtype=torch.int64)
-        self.ints[3 * Tm:].copy_(h[3 * Tm:], non_blocking=True)
-        self.valid.copy_(self._h_valid, non_blocking=True)
-        s = self.sampling
-        s.temperature[:Bg].zero_()  # rows that do not draft: greedy, never read
-        s.top_k[:Bg].fill_(self.runner.vocab_size)
-        s.top_p[:Bg].fill_(1.0)
-        s.min_p[:Bg].zero_()
-        self.prob_mask[:Bg].zero_()
-        di = idx.to(self.ints.device)
+        request, then draft for the batch rows ``rows`` (their anchors, anchor positions, sampling
+        params, int64 seeds and probabilistic flags; no rows: only the context store matters).
+        Returns (tokens [len(rows), N], probs [len(rows), N, V] | None)."""
+        q, Tm, Bm, V = self.q, self.max_rows, self.max_batch, self.runner.vocab_size
+        hb, hi, hf = self._hb, self._hi, self._hf
+        valid = hb[:Bg * q].reshape(Bg, q)
+        valid[:] = np.arange(q)[None, :] < np.asarray(committed + [0] * (Bg - len(committed)))[:, None]
+        base = 3 * Tm
+        a, ap, tk, sd = (hi[base + i * Bm:base + i * Bm + Bg] for i in range(4))
+        temp, tp, mp = (hf[i * Bm:i * Bm + Bg] for i in range(3))
+        pm = hb[Tm:Tm + Bg]
+        a[:] = 0
+        ap[:] = 0
+        tk[:] = V  # rows that do not draft: greedy, their drafts never read
+        temp[:] = 0.0
+        tp[:] = 1.0
+        mp[:] = 0.0
+        pm[:] = False
         if rows:
-            s.temperature.index_copy_(0, di, batch.temperature)
-            s.top_k.index_copy_(0, di, batch.top_k)
-            s.top_p.index_copy_(0, di, batch.top_p)
-            s.min_p.index_copy_(0, di, batch.min_p)
-            s.seeds.index_copy_(0, di, batch.seeds)
-        any_prob = any(prob)
-        if any_prob:
-            self.prob_mask.index_copy_(0, di, torch.tensor(prob).to(di.device))
-        tokens, probs, _ = self._run(self.draft, (Bg, bucket, any_prob), self._draft_step)
+            a[rows] = anchors
+            ap[rows] = anchor_pos
+            sd[rows] = seeds
+            pm[rows] = prob
+            vals = np.array([sampling_row(p, V) for p in params], dtype=np.float64)  # [n, 4]
+            temp[rows], tk[rows], tp[rows], mp[rows] = vals[:, 0], vals[:, 1], vals[:, 2], vals[:, 3]
+        hi_t, hf_t, hb_t, _, _ = self._pinned
+        self.ints[base:].copy_(hi_t[base:], non_blocking=True)
+        self.floats.copy_(hf_t, non_blocking=True)
+        self.flags.copy_(hb_t, non_blocking=True)
+        tokens, probs, _ = self._run(self.draft, (Bg, bucket, any(prob)), self._draft_step)
         self.stats["draft"] += 1
+        if rows == list(range(len(rows))):
+            n = len(rows)
+            return tokens[:n], (probs[:n].clone() if probs is not None else None)
+        di = torch.tensor(rows, device=tokens.device)
         return tokens[di], (probs[di] if probs is not None else None)
 
 

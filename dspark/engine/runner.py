@@ -190,10 +190,14 @@ class ModelRunner:
         if sampling:
             # Rows that decide tokens: the last 1 + n_spec rows of each sampling request.
             first_row = {b: qsl[b + 1] - 1 - s.num_spec_tokens for b, s in sampling}
-            if graph:  # request b's rows start at b * q in the graph's output
+            if graph:  # request b's rows start at b * q in the graph's output (every request samples)
                 q = self.graphs.q
-                rows = torch.cat([torch.arange(b * q, b * q + 1 + s.num_spec_tokens) for b, s in sampling]).to(dev)
-                logits = logits_all.view(-1, logits_all.shape[-1])[rows]
+                flat = logits_all.view(-1, logits_all.shape[-1])
+                if all(1 + s.num_spec_tokens == q for _, s in sampling):
+                    logits = flat[:len(sampling) * q]
+                else:
+                    rows = [b * q + i for b, s in sampling for i in range(1 + s.num_spec_tokens)]
+                    logits = flat[torch.tensor(rows).to(dev, non_blocking=True)]
             else:
                 rows = torch.cat([torch.arange(first_row[b], qsl[b + 1]) for b, _ in sampling]).to(dev)
                 logits = self.model.compute_logits(hidden[rows])  # [sum(1 + n_spec), V] fp32
@@ -204,8 +208,9 @@ class ModelRunner:
             plain = [(b, s) for b, s in sampling if s.num_spec_tokens == 0]
             if plain:
                 reqs = [s.request for _, s in plain]
-                idx = torch.tensor([offset[b] for b, _ in plain], device=dev)
-                toks = self.sampler(logits[idx], self._sampling_batch(reqs, [r.num_tokens for r in reqs])).tolist()
+                rows = [offset[b] for b, _ in plain]
+                pl = logits[:len(rows)] if rows == list(range(len(rows))) else logits[torch.tensor(rows, device=dev)]
+                toks = self.sampler(pl, self._sampling_batch(reqs, [r.num_tokens for r in reqs])).tolist()
                 for r, t in zip(reqs, toks):
                     result.new_tokens[r.request_id] = [t]
             verifying = [(b, s) for b, s in sampling if s.num_spec_tokens > 0]
@@ -322,19 +327,20 @@ class ModelRunner:
                 cand.append((b, r, emitted[-1], new_len - 1, n))
         if not cand:
             if graph is not None:  # the committed rows' context is still stored; no drafts wanted
-                self.graphs.run_draft(*graph, [], [], [], None, [])
+                self.graphs.run_draft(*graph, [], [], [], [], [], [])
             return
-        dev = self.device
-        N = max(c[4] for c in cand)
         reqs = [c[1] for c in cand]
-        anchors = torch.tensor([c[2] for c in cand], device=dev)
-        anchor_pos = torch.tensor([c[3] for c in cand], device=dev)
         prob = [self.spec.draft_sample_method == "probabilistic" and not r.params.greedy for r in reqs]
-        batch = self._sampling_batch(reqs, [c[3] + 1 for c in cand])
         if graph is not None:
-            tokens, probs = self.graphs.run_draft(*graph, [c[0] for c in cand],
-                                                  [c[2] for c in cand], [c[3] for c in cand], batch, prob)
+            tokens, probs = self.graphs.run_draft(*graph, [c[0] for c in cand], [c[2] for c in cand],
+                                                  [c[3] for c in cand], [r.params for r in reqs],
+                                                  [as_int64(r.seed) for r in reqs], prob)
         else:
+            dev = self.device
+            N = max(c[4] for c in cand)
+            anchors = torch.tensor([c[2] for c in cand], device=dev)
+            anchor_pos = torch.tensor([c[3] for c in cand], device=dev)
+            batch = self._sampling_batch(reqs, [c[3] + 1 for c in cand])
             prop = self.proposer.propose(reqs, anchors, anchor_pos, block_tables[[c[0] for c in cand]], N, batch, prob)
             tokens, probs = prop.tokens, prop.probs
         toks = tokens.tolist()

@@ -29,6 +29,14 @@ def as_int64(seed: int) -> int:
     return s - _U64 if s > _I64_MAX else s
 
 
+def sampling_row(p: SamplingParams, vocab_size: int) -> tuple[float, int, float, float]:
+    """(temperature, top_k, top_p, min_p) of one row as SamplingBatch holds them: greedy rows get the
+    neutral top-k/top-p/min-p (filtering cannot change an argmax), a disabled top-k is vocab_size."""
+    if p.greedy:
+        return p.temperature, vocab_size, 1.0, 0.0
+    return p.temperature, vocab_size if p.top_k <= 0 else min(p.top_k, vocab_size), p.top_p, p.min_p
+
+
 def _has_penalty(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
 
@@ -84,11 +92,9 @@ class SamplingBatch:
             greedy = p.greedy
             any_greedy |= greedy
             any_random |= not greedy
-            k = vocab_size if greedy or p.top_k <= 0 else min(p.top_k, vocab_size)
+            _, k, top_p, min_p = sampling_row(p, vocab_size)
             if k < vocab_size:
                 max_top_k = max(max_top_k, k)
-            top_p = 1.0 if greedy else p.top_p
-            min_p = 0.0 if greedy else p.min_p
             any_top_p |= top_p < 1.0
             any_min_p |= min_p > 0.0
             any_penalty |= _has_penalty(p)
