@@ -117,9 +117,10 @@ class StepGraphs:
         pin = dev.type == "cuda"
         # Device inputs, each packed by type so that a step's inputs go over in few host->device copies
         # from pinned host twins (the numpy views ``_h*``):
-        #   ints  [input ids (Tm) | positions (Tm) | slots (Tm) | anchors (Bm) | anchor pos (Bm) | top-k (Bm) | seeds (Bm)]
+        #   ints  [input ids (Tm) | positions (Tm) | slots (Tm) | anchors (Bm) | anchor pos (Bm) | top-k (Bm)
+        #          | seeds (Bm) | drafts to verify (Bm) | tokens before the step (Bm)]
         #   floats [temperature (Bm) | top-p (Bm) | min-p (Bm)]     flags [valid rows (Tm) | probabilistic (Bm)]
-        self.ints = torch.zeros(3 * Tm + 4 * Bm, **i64)
+        self.ints = torch.zeros(3 * Tm + 6 * Bm, **i64)
         self.floats = torch.zeros(3 * Bm, **f32)
         self.flags = torch.zeros(Tm + Bm, dtype=torch.bool, device=dev)
         self.seq_lens = torch.zeros(Bm, dtype=torch.int32, device=dev)
@@ -128,7 +129,8 @@ class StepGraphs:
                         for t in (self.ints, self.floats, self.flags, self.seq_lens, self.block_tables)]
         self._hi, self._hf, self._hb, self._hs, self._ht = (t.numpy() for t in self._pinned)
         self.input_ids, self.positions, self.slot_mapping = (self.ints[i * Tm:(i + 1) * Tm] for i in range(3))
-        self.anchors, self.anchor_pos, top_k, seeds = (self.ints[3 * Tm + i * Bm:3 * Tm + (i + 1) * Bm] for i in range(4))
+        (self.anchors, self.anchor_pos, top_k, seeds, self.num_drafts,
+         self.num_tokens) = (self.ints[3 * Tm + i * Bm:3 * Tm + (i + 1) * Bm] for i in range(6))
         temperature, top_p, min_p = (self.floats[i * Bm:(i + 1) * Bm] for i in range(3))
         self.valid, self.prob_mask = self.flags[:Tm], self.flags[Tm:]
         self.query_start_loc = (torch.arange(Bm + 1, dtype=torch.int32) * q).to(dev)
@@ -147,7 +149,7 @@ class StepGraphs:
         self.target: dict[tuple[int, int], _Captured] = {}
         self.draft: dict[tuple[int, int, bool], _Captured] = {}
         self.pool = None
-        self.stats = {"target": 0, "draft": 0}
+        self.stats = {"target": 0, "draft": 0, "one_sync": 0}  # replays; steps on the runner's one-sync path
 
     # ------------------------------------------------------------------ the fixed-shape steps
     def _target_step(self, B: int, bucket: int) -> tuple:
@@ -248,7 +250,40 @@ class StepGraphs:
     def run_target(self, scheduled, ids: list[int], starts: list[int], tables: list[list[int]]):
         """Fill the inputs for the scheduled requests (flattened ``ids``, each request's first position
         ``starts[b]`` and block table) and replay. Returns (logits [B_pad, q, V], B_pad, bucket)."""
-        q, bs, Tm = self.q, self.block_size, self.max_rows
+        Bg, bucket = self.prepare_target(scheduled, ids, starts, tables)
+        self.upload(Bg, drafter=False)
+        return self.replay_target(Bg, bucket), Bg, bucket
+
+    def run_draft(self, Bg: int, bucket: int, committed: list[int], rows: list[int], anchors: list[int],
+                  anchor_pos: list[int], params: list, seeds: list[int], prob: list[bool]):
+        """After run_target: store the drafter context of the first ``committed[b]`` rows of each
+        request, then draft for the batch rows ``rows`` (their anchors, anchor positions, sampling
+        params, int64 seeds and probabilistic flags; no rows: only the context store matters).
+        Returns (tokens [len(rows), N], probs [len(rows), N, V] | None)."""
+        q, Tm, Bm = self.q, self.max_rows, self.max_batch
+        self.prepare_draft(Bg, rows, params, seeds, prob)
+        hb, hi = self._hb, self._hi
+        hb[:Bg * q].reshape(Bg, q)[:] = np.arange(q)[None, :] < np.asarray(committed + [0] * (Bg - len(committed)))[:, None]
+        a, ap = hi[3 * Tm:3 * Tm + Bg], hi[3 * Tm + Bm:3 * Tm + Bm + Bg]
+        a[:] = 0
+        ap[:] = 0
+        if rows:
+            a[rows] = anchors
+            ap[rows] = anchor_pos
+        self.upload(Bg, target=False)
+        tokens, probs = self.replay_draft(Bg, bucket, any(prob))
+        if rows == list(range(len(rows))):
+            n = len(rows)
+            return tokens[:n], (probs[:n].clone() if probs is not None else None)
+        di = torch.tensor(rows, device=tokens.device)
+        return tokens[di], (probs[di] if probs is not None else None)
+
+    # ------------------------------------------------------------------ the pieces of a step
+    def prepare_target(self, scheduled, ids: list[int], starts: list[int], tables: list[list[int]],
+                       num_tokens: list[int] | None = None) -> tuple[int, int]:
+        """Write the target step's inputs into the pinned host buffers; returns (padded batch, bucket).
+        ``num_tokens`` (each request's tokens before the step) is needed by ``drafter_inputs_on_device``."""
+        q, bs, Tm, Bm = self.q, self.block_size, self.max_rows, self.max_batch
         B = len(scheduled)
         Bg = _pick(self.batch_sizes, B)
         n = np.fromiter((s.num_tokens for s in scheduled), np.int64, B)
@@ -273,54 +308,76 @@ class StepGraphs:
         h[2 * Tm:2 * Tm + Bg * q] = np.where(real, blk * bs + pos % bs, 0).reshape(-1)  # padding: dummy slot 0
         self._hs[:B] = st + q
         self._hs[B:Bg] = q
-        bucket = _pick(self.buckets, int(st.max()) + q)
-        hi, _, _, hs, ht = self._pinned
-        self.ints[:3 * Tm].copy_(hi[:3 * Tm], non_blocking=True)
-        self.seq_lens.copy_(hs, non_blocking=True)
-        self.block_tables[:Bg].copy_(ht[:Bg], non_blocking=True)
-        (logits,) = self._run(self.target, (Bg, bucket), self._target_step)
-        self.stats["target"] += 1
-        return logits.view(Bg, q, -1), Bg, bucket
+        nd = h[3 * Tm + 4 * Bm:3 * Tm + 4 * Bm + Bg]
+        nd[:] = 0
+        nd[:B] = n - 1
+        if num_tokens is not None:
+            nt = h[3 * Tm + 5 * Bm:3 * Tm + 5 * Bm + Bg]
+            nt[:] = 1
+            nt[:B] = num_tokens
+        return Bg, _pick(self.buckets, int(st.max()) + q)
 
-    def run_draft(self, Bg: int, bucket: int, committed: list[int], rows: list[int], anchors: list[int],
-                  anchor_pos: list[int], params: list, seeds: list[int], prob: list[bool]):
-        """After run_target: store the drafter context of the first ``committed[b]`` rows of each
-        request, then draft for the batch rows ``rows`` (their anchors, anchor positions, sampling
-        params, int64 seeds and probabilistic flags; no rows: only the context store matters).
-        Returns (tokens [len(rows), N], probs [len(rows), N, V] | None)."""
-        q, Tm, Bm, V = self.q, self.max_rows, self.max_batch, self.runner.vocab_size
-        hb, hi, hf = self._hb, self._hi, self._hf
-        valid = hb[:Bg * q].reshape(Bg, q)
-        valid[:] = np.arange(q)[None, :] < np.asarray(committed + [0] * (Bg - len(committed)))[:, None]
+    def prepare_draft(self, Bg: int, rows: list[int], params: list, seeds: list[int], prob: list[bool]) -> None:
+        """Write the drafter's sampling inputs (they do not depend on this step's outcome) for the
+        batch rows ``rows``; other rows draft greedily and are never read."""
+        Tm, Bm, V = self.max_rows, self.max_batch, self.runner.vocab_size
+        hi, hf, hb = self._hi, self._hf, self._hb
         base = 3 * Tm
-        a, ap, tk, sd = (hi[base + i * Bm:base + i * Bm + Bg] for i in range(4))
+        tk, sd = hi[base + 2 * Bm:base + 2 * Bm + Bg], hi[base + 3 * Bm:base + 3 * Bm + Bg]
         temp, tp, mp = (hf[i * Bm:i * Bm + Bg] for i in range(3))
         pm = hb[Tm:Tm + Bg]
-        a[:] = 0
-        ap[:] = 0
-        tk[:] = V  # rows that do not draft: greedy, their drafts never read
+        tk[:] = V
         temp[:] = 0.0
         tp[:] = 1.0
         mp[:] = 0.0
         pm[:] = False
         if rows:
-            a[rows] = anchors
-            ap[rows] = anchor_pos
             sd[rows] = seeds
             pm[rows] = prob
             vals = np.array([sampling_row(p, V) for p in params], dtype=np.float64)  # [n, 4]
             temp[rows], tk[rows], tp[rows], mp[rows] = vals[:, 0], vals[:, 1], vals[:, 2], vals[:, 3]
-        hi_t, hf_t, hb_t, _, _ = self._pinned
-        self.ints[base:].copy_(hi_t[base:], non_blocking=True)
-        self.floats.copy_(hf_t, non_blocking=True)
-        self.flags.copy_(hb_t, non_blocking=True)
-        tokens, probs, _ = self._run(self.draft, (Bg, bucket, any(prob)), self._draft_step)
+
+    def upload(self, Bg: int, target: bool = True, drafter: bool = True) -> None:
+        """Copy the prepared host buffers to the device (asynchronously, from pinned memory; the
+        host writes them again only after the step's tokens were read back)."""
+        hi, hf, hb, hs, ht = self._pinned
+        cut = 3 * self.max_rows
+        if target and drafter:
+            self.ints.copy_(hi, non_blocking=True)
+        elif target:
+            self.ints[:cut].copy_(hi[:cut], non_blocking=True)
+            self.ints[cut + 4 * self.max_batch:].copy_(hi[cut + 4 * self.max_batch:], non_blocking=True)
+        else:
+            self.ints[cut:].copy_(hi[cut:], non_blocking=True)
+        if target:
+            self.seq_lens.copy_(hs, non_blocking=True)
+            self.block_tables[:Bg].copy_(ht[:Bg], non_blocking=True)
+        if drafter:
+            self.floats.copy_(hf, non_blocking=True)
+            self.flags.copy_(hb, non_blocking=True)
+
+    def replay_target(self, Bg: int, bucket: int) -> torch.Tensor:
+        (logits,) = self._run(self.target, (Bg, bucket), self._target_step)
+        self.stats["target"] += 1
+        return logits.view(Bg, self.q, -1)
+
+    def replay_draft(self, Bg: int, bucket: int, any_prob: bool):
+        tokens, probs, _ = self._run(self.draft, (Bg, bucket, any_prob), self._draft_step)
         self.stats["draft"] += 1
-        if rows == list(range(len(rows))):
-            n = len(rows)
-            return tokens[:n], (probs[:n].clone() if probs is not None else None)
-        di = torch.tensor(rows, device=tokens.device)
-        return tokens[di], (probs[di] if probs is not None else None)
+        return tokens, probs
+
+    def drafter_inputs_on_device(self, Bg: int, out: torch.Tensor, n_out: torch.Tensor) -> None:
+        """The drafter's step inputs from this step's outcome, without the host: request b emitted
+        out[b, :n_out[b]], so its first n_out[b] rows are committed (the anchor row and the accepted
+        drafts), the new anchor is its last emitted token, at position num_tokens[b] + n_out[b] - 1."""
+        B, q = out.shape[0], self.q
+        valid = self.valid[:Bg * q].view(Bg, q)
+        valid.zero_()
+        valid[:B] = torch.arange(q, device=out.device)[None, :] < n_out[:, None]
+        self.anchors[:Bg].zero_()
+        self.anchor_pos[:Bg].zero_()
+        self.anchors[:B] = out.gather(1, (n_out - 1)[:, None]).squeeze(1)
+        self.anchor_pos[:B] = self.num_tokens[:B] + n_out - 1
 
 
 __all__ = ["StepGraphs", "graph_batch_sizes", "context_buckets"]

@@ -56,11 +56,19 @@ def make_attention_backend(name: str, device: torch.device):
     return TorchAttentionBackend()
 
 
+def _greedy_plain(p) -> bool:
+    """A greedy request that needs nothing from the logits but their argmax (no penalties, no logprobs)."""
+    return p.greedy and p.logprobs is None and spec_eligible_params(p)
+
+
+def spec_eligible_params(p) -> bool:
+    return p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0
+
+
 def spec_eligible(req: Request) -> bool:
     """Penalties make the target's distribution depend on the drafts themselves: such requests
     decode without speculation."""
-    p = req.params
-    return p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0
+    return spec_eligible_params(req.params)
 
 
 class ModelRunner:
@@ -164,6 +172,8 @@ class ModelRunner:
             seq_lens.append(b)
             tables.append(kv.block_ids(r.request_id))
         graph = self.graphs is not None and self.graphs.covers(scheduled)
+        if graph and all(_greedy_plain(s.request.params) for s in scheduled):
+            return self._execute_graph_greedy(scheduled, ids, starts, tables, t0)
         taps = layout = block_tables = None
         if graph:
             # Fixed shapes: every request owns q rows, its real ones first (dspark/engine/cuda_graphs.py).
@@ -239,6 +249,69 @@ class ModelRunner:
             self._sync()
             result.draft_time_s = time.perf_counter() - t1
         return result
+
+    def _execute_graph_greedy(self, scheduled, ids, starts, tables, t0: float) -> StepResult:
+        """A decode/verify step of greedy requests as CUDA graphs with one read-back: target graph,
+        argmax and greedy verification on the device, the drafter's inputs (committed rows, anchors,
+        anchor positions) derived on the device from the outcome, drafter graph, then one copy of
+        (emitted tokens, counts, next drafts) to the host. The timings are GPU times (CUDA events):
+        verify_time_s = target + verification, draft_time_s = context store + drafting."""
+        G = self.graphs
+        q, B = G.q, len(scheduled)
+        reqs = [s.request for s in scheduled]
+        Bg, bucket = G.prepare_target(scheduled, ids, starts, tables, [r.num_tokens for r in reqs])
+        if G.draft_graphs:
+            G.prepare_draft(Bg, list(range(B)), [r.params for r in reqs], [as_int64(r.seed) for r in reqs],
+                            [False] * B)
+        G.upload(Bg)
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)] if self.device.type == "cuda" else None
+        if ev:
+            ev[0].record()
+        am = G.replay_target(Bg, bucket)[:B].argmax(dim=-1)  # [B, q]
+        if q > 1:
+            out, n_out = verify_greedy(am, G.input_ids[:Bg * q].view(Bg, q)[:B, 1:], G.num_drafts[:B])
+        else:
+            out, n_out = am, torch.ones(B, dtype=torch.int64, device=am.device)
+        parts = [out.reshape(-1), n_out]
+        if ev:
+            ev[1].record()
+        if G.draft_graphs:
+            G.drafter_inputs_on_device(Bg, out, n_out)
+            tokens, _ = G.replay_draft(Bg, bucket, False)
+            parts.append(tokens[:B].reshape(-1))
+        if ev:
+            ev[2].record()
+        vals = torch.cat(parts).tolist()  # the step's one synchronisation
+        G.stats["one_sync"] += 1
+        result = StepResult({})
+        n_l = vals[B * q:B * q + B]
+        drafts = vals[B * q + B:]
+        N = self.num_spec_tokens
+        for b, s in enumerate(scheduled):
+            r = s.request
+            emitted = vals[b * q:b * q + n_l[b]]
+            result.new_tokens[r.request_id] = emitted
+            if s.num_spec_tokens:
+                result.verified[r.request_id] = (s.num_spec_tokens, n_l[b] - 1)
+                self.draft_probs.pop(r.request_id, None)
+            if drafts:
+                n = self._num_drafts(r, len(emitted))
+                if n > 0:
+                    result.drafts[r.request_id] = drafts[b * N:b * N + n]
+        if ev:
+            result.verify_time_s = ev[0].elapsed_time(ev[1]) / 1e3
+            result.draft_time_s = ev[1].elapsed_time(ev[2]) / 1e3
+        else:
+            result.verify_time_s = time.perf_counter() - t0
+        return result
+
+    def _num_drafts(self, r: Request, num_emitted: int) -> int:
+        """How many drafts request r gets after emitting num_emitted tokens this step (0: none)."""
+        if not spec_eligible(r):
+            return 0
+        new_len = r.num_tokens + num_emitted
+        return min(self.num_spec_tokens, self.config.max_model_len - new_len,
+                   r.params.max_tokens - (r.num_output_tokens + num_emitted) - 1)
 
     # ------------------------------------------------------------------ verification
     def _verify(self, verifying, logits: torch.Tensor, offset: dict[int, int], result: StepResult) -> None:
@@ -317,14 +390,10 @@ class ModelRunner:
         cand = []
         for b, s in sampling:
             r = s.request
-            if not spec_eligible(r):
-                continue
             emitted = result.new_tokens[r.request_id]
-            new_len = r.num_tokens + len(emitted)
-            n = min(self.num_spec_tokens, self.config.max_model_len - new_len,
-                    r.params.max_tokens - (r.num_output_tokens + len(emitted)) - 1)
+            n = self._num_drafts(r, len(emitted))
             if n > 0:
-                cand.append((b, r, emitted[-1], new_len - 1, n))
+                cand.append((b, r, emitted[-1], r.num_tokens + len(emitted) - 1, n))
         if not cand:
             if graph is not None:  # the committed rows' context is still stored; no drafts wanted
                 self.graphs.run_draft(*graph, [], [], [], [], [], [])

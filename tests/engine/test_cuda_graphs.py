@@ -66,6 +66,7 @@ def test_graph_steps_match_eager_greedy(target, drafter, prompts, spec):
     assert got == want
     g = llm.engine.runner.graphs
     assert g.stats["target"] > 0 and (g.stats["draft"] > 0) == spec  # the graph path really ran
+    assert g.stats["one_sync"] == g.stats["target"]  # greedy: verification and drafting inputs on the device
     assert {B for B, _ in g.target} == {2, 4} and {k for _, k in g.target} >= {32, 64}
 
 
@@ -81,3 +82,17 @@ def test_graph_steps_match_eager_sampled(target, drafter, prompts):
     st, ref_st = llm.engine.spec_stats, ref.engine.spec_stats
     assert (st.num_drafts, st.num_accepted) == (ref_st.num_drafts, ref_st.num_accepted)
     assert llm.engine.runner.graphs.stats["draft"] > 0 and st.num_accepted > 0
+
+
+def test_graph_steps_match_eager_mixed_batch(target, drafter, prompts):
+    """Greedy, seeded temperature-1 and a repetition-penalty request (which decodes without drafts,
+    one real row in the verification graph) in the same steps: the general graph path."""
+    kw = {"speculative_config": {"model": str(drafter), "draft_sample_method": "probabilistic"}}
+    params = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=5),
+              SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, repetition_penalty=1.3, logprobs=2)]
+    want, _ = _run(target, prompts, params, False, **kw)
+    got, llm = _run(target, prompts, params, True, **kw)
+    assert got == want
+    g = llm.engine.runner.graphs
+    assert g.stats["target"] > g.stats["one_sync"]  # mixed steps went through the general path
