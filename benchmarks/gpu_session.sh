@@ -13,7 +13,8 @@
 set -uo pipefail
 bash benchmarks/gguf_pieces.sh  # joins the GGUF from the pieces carried so far
 [ -f /tmp/smollm.gguf ] || exit 1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl .whl/serve/*.whl
+WHEELS=$(ls .whl/*.whl .whl/serve/*.whl 2>/dev/null)
+[ -n "$WHEELS" ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $WHEELS
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 DSPARK_SMOLLM2_GGUF=/tmp/smollm.gguf TQDM_DISABLE=1
 cp .model/sharegpt_prompts.json.gz /tmp/ 2>/dev/null
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
@@ -57,7 +58,7 @@ for _ in range(240):
       > "$OUT/graphs.log" 2>&1; echo "graphs rc=$?"; grep -v "^ " "$OUT/graphs.log" | tail -n 30 ;;
   correctness)
     timeout ${CORRECT_S:-200} python3 -m dspark.cli bench correctness --device $DEV --attention-backend ${BACKEND:-triton} \
-      --prompt-source /tmp/sharegpt_prompts.json.gz --out "$OUT/correctness.json" > "$OUT/correctness.log" 2>&1
+      --prompt-source /tmp/sharegpt_prompts.json.gz --out "$OUT/correctness.json" ${CORRECT_ARGS:-} > "$OUT/correctness.log" 2>&1
     echo "correctness rc=$?"; tail -n 25 "$OUT/correctness.log" ;;
   bench)
     timeout ${BENCH_S:-300} python3 -m dspark.cli bench --device $DEV --attention-backend ${BACKEND:-triton} \
