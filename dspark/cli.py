@@ -33,8 +33,8 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
                    help="attention over the paged KV cache: torch (PyTorch SDPA, any device), triton (Triton "
-                        "paged-attention kernels; CUDA, or a CPU only in Triton's interpreter), auto (torch for "
-                        "now, until the Triton backend is measured in the engine on a GPU) (default: auto)")
+                        "paged-attention kernels; CUDA, or a CPU only in Triton's interpreter), auto (triton on CUDA, "
+                        "torch elsewhere) (default: auto)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs: run every step eagerly (graphs are captured at start-up on CUDA with the "
                         "triton attention backend)")

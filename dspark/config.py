@@ -108,5 +108,14 @@ class EngineConfig:
 
     @property
     def resolved_attention_backend(self) -> str:
-        """The backend to build, "torch" or "triton": "auto" is "torch" on every device for now (see ATTENTION_BACKENDS)."""
-        return "torch" if self.attention_backend == "auto" else self.attention_backend
+        """The backend to build, "torch" or "triton": "auto" is "triton" on CUDA when triton imports
+        (paged Triton kernels, fused decoder ops, CUDA graphs: measured on an H200, docs/benchmarks.md)
+        and "torch" elsewhere (on a CPU Triton only runs in its slow interpreter)."""
+        if self.attention_backend != "auto":
+            return self.attention_backend
+        if str(self.device).startswith("cuda"):
+            import importlib.util
+
+            if importlib.util.find_spec("triton") is not None:
+                return "triton"
+        return "torch"

@@ -203,6 +203,46 @@ def philox4x32_triton(counter: Tensor, key: Tensor) -> Tensor:
     return out
 
 
+@triton.jit
+def _words_kernel(seeds_ptr, pos_ptr, cols_ptr, out_ptr, stream, n, HAS_COLS: tl.constexpr, BLOCK: tl.constexpr):
+    """Row b, entries i: word col of rng._random_words(seed_b, pos_b, stream), col = i or cols[b, i]."""
+    b = tl.program_id(0)
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    if HAS_COLS:
+        col = tl.load(cols_ptr + b * n + i, mask=m, other=0).to(tl.int64)
+    else:
+        col = i.to(tl.int64)
+    seed = tl.load(seeds_ptr + b)
+    pos = tl.load(pos_ptr + b)
+    c2 = (stream + tl.zeros([BLOCK], tl.int32)).to(tl.uint32)
+    w0, w1, w2, w3 = _philox((col >> 2).to(tl.uint32), _lo32(pos) + tl.zeros([BLOCK], tl.uint32), c2,
+                             _hi32(pos) + tl.zeros([BLOCK], tl.uint32), _lo32(seed), _hi32(seed))
+    sel = col & 3
+    w = tl.where(sel == 0, w0, tl.where(sel == 1, w1, tl.where(sel == 2, w2, w3)))
+    tl.store(out_ptr + b * n + i, w.to(tl.int64), mask=m)
+
+
+def philox_words_triton(seeds: Tensor, positions: Tensor, stream: int, n: int | None = None,
+                        cols: Tensor | None = None) -> Tensor:
+    """rng._random_words (cols None: words 0..n-1 of each row) or rng._random_words_at (words at cols
+    [B, K]) in one launch: [B, n or K] int64, bit for bit (Philox is integer arithmetic). The float
+    transforms stay in torch (rng.py), so noise drawn through this is identical to the torch path."""
+    check_device(seeds)
+    seeds = seeds.to(torch.int64).contiguous()
+    positions = positions.to(device=seeds.device, dtype=torch.int64).contiguous()
+    B = seeds.shape[0]
+    if cols is not None:
+        cols = cols.to(device=seeds.device, dtype=torch.int64).contiguous()
+        n = cols.shape[1]
+    out = torch.empty(B, n, dtype=torch.int64, device=seeds.device)
+    if B and n:
+        BLOCK = 256 if n > 128 else max(16, next_pow2(n))
+        _words_kernel[(B, triton.cdiv(n, BLOCK))](seeds, positions, cols if cols is not None else seeds, out,
+                                                  stream & 0xFFFFFFFF, n, HAS_COLS=cols is not None, BLOCK=BLOCK)
+    return out
+
+
 def gumbel_triton(seeds: Tensor, positions: Tensor, stream: int, n: int) -> Tensor:
     """rng.gumbel in Triton: [B, n] float32 noise for (seeds[b], positions[b], stream, column)."""
     check_device(seeds)

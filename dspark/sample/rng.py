@@ -83,12 +83,30 @@ def philox4x32(counter: Tensor, key: Tensor) -> Tensor:
     return torch.stack(_philox_words(c0, c1, c2, c3, k0, k1), dim=-1)
 
 
+_PHILOX_KERNEL: list = []
+
+
+def _philox_kernel():
+    """dspark.kernels.markov_sampler.philox_words_triton, or None without triton. On a GPU the torch
+    Philox below is ~200 tiny kernels per draw (several ms per sampling step); the Triton kernel gives
+    the same words in one launch."""
+    if not _PHILOX_KERNEL:
+        try:
+            from dspark.kernels.markov_sampler import philox_words_triton
+        except ImportError:
+            philox_words_triton = None
+        _PHILOX_KERNEL.append(philox_words_triton)
+    return _PHILOX_KERNEL[0]
+
+
 def _random_words(seeds: Tensor, positions: Tensor, stream: int, n: int) -> Tensor:
     """[B, n] int64 words in [0, 2^32): word j of row b depends only on (seeds[b], positions[b], stream, j).
 
     Key = (seed low 32 bits, seed high 32 bits); counter = (j // 4, position low 32 bits, stream,
     position high 32 bits); word j is output word j % 4 of that Philox block.
     """
+    if seeds.is_cuda and _philox_kernel() is not None:  # one launch instead of ~200 small ones
+        return _philox_kernel()(seeds, positions, stream, n)
     seeds = seeds.to(torch.int64).unsqueeze(1)  # [B, 1]
     positions = positions.to(device=seeds.device, dtype=torch.int64).unsqueeze(1)  # [B, 1]
     n_blocks = (n + 3) // 4
@@ -106,6 +124,8 @@ def _random_words_at(seeds: Tensor, positions: Tensor, stream: int, cols: Tensor
     """[B, K] int64 words: entry [b, i] equals ``_random_words(seeds, positions, stream, n)[b, cols[b, i]]``
     for any n > cols[b, i], computing only the K Philox blocks asked for (the whole point of a
     counter-based generator: a sampler that only needs the top-k candidates draws only those)."""
+    if seeds.is_cuda and _philox_kernel() is not None:
+        return _philox_kernel()(seeds, positions, stream, cols=cols)
     seeds = seeds.to(torch.int64).unsqueeze(1)  # [B, 1]
     positions = positions.to(device=seeds.device, dtype=torch.int64).unsqueeze(1)  # [B, 1]
     cols = cols.to(device=seeds.device, dtype=torch.int64)  # [B, K]

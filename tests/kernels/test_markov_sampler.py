@@ -207,3 +207,18 @@ def test_matches_dspark_proposer() -> None:
     # and the reference is that loop
     ref_tokens, ref_q = markov_sample_reference(base, anchors, w1, w2_t, replace(batch), anchor_pos + 1, prob)
     assert torch.equal(ref_tokens, proposal.tokens) and torch.equal(ref_q, proposal.probs)
+
+
+@pytest.mark.parametrize("stream", [STREAM_SAMPLE, draft_stream(3)])
+def test_philox_words_kernel_matches_rng(stream: int) -> None:
+    """The one-launch Philox that rng.py uses on CUDA: the same words as the torch path, full rows and
+    chosen columns (integer arithmetic: bit for bit)."""
+    from dspark.kernels.markov_sampler import philox_words_triton
+    from dspark.sample.rng import _random_words, _random_words_at
+
+    seeds = torch.tensor([0, -1, 2**62 + 5, -(2**63), 12345], dtype=torch.int64)
+    positions = torch.tensor([0, 7, 2**33 + 3, 99, 2**32 - 1], dtype=torch.int64)
+    assert torch.equal(philox_words_triton(seeds, positions, stream, 517), _random_words(seeds, positions, stream, 517))
+    cols = torch.randint(0, 49152, (5, 21), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(philox_words_triton(seeds, positions, stream, cols=cols),
+                       _random_words_at(seeds, positions, stream, cols))

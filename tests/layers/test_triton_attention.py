@@ -158,8 +158,8 @@ def test_engine_with_accepted_drafts_matches_torch_backend(target, prompts):
 def test_config_names_unknown_backend():
     with pytest.raises(ValueError, match=r"unknown attention_backend 'flash': use one of auto, torch, triton"):
         EngineConfig(attention_backend="flash")
-    assert EngineConfig().resolved_attention_backend == "torch"  # auto = torch today, on every device
-    assert EngineConfig(device="cuda", attention_backend="auto").resolved_attention_backend == "torch"
+    assert EngineConfig().resolved_attention_backend == "torch"  # auto = torch on a CPU
+    assert EngineConfig(device="cuda", attention_backend="auto").resolved_attention_backend == "triton"
     assert EngineConfig(attention_backend="triton").resolved_attention_backend == "triton"
 
 
