@@ -15,7 +15,7 @@ What is captured (only with the triton attention backend on CUDA, unless ``enfor
 - **Drafter graphs**, one per (B, bucket, greedy | probabilistic): the drafter's context store for
   the committed rows (a ``valid`` mask skips rejected and padding rows) and the whole proposal —
   block pass, drafter attention over the paged context, base logits, the fused Markov sampler over
-  all N slots, the confidence head.
+  all N slots (not the confidence head: nothing in the engine reads c_k yet).
 - A step qualifies when every scheduled request samples and has no prefill rows (each runs
   1 + its drafts rows), and the batch fits the largest captured size; anything else (prefill chunks,
   mixed batches) runs eagerly, as with ``enforce_eager``.

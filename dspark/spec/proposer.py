@@ -179,11 +179,14 @@ class DSparkProposer:
         the rows' probabilistic flags as a device mask and only whether any row samples on the host;
         ``max_ctx_len`` is the graph's context bucket. Reads no tensor value on the host."""
         B = anchors.shape[0]
+        # No confidence head here: nothing in the engine consumes c_k yet, and its per-slot ops are
+        # ~35 of the drafter graph's kernels.
         return self._propose_triton(anchors, anchor_pos, block_tables, num_drafts, batch, [any_prob] * B,
-                                    prob_mask=prob_mask, max_ctx_len=max_ctx_len)
+                                    prob_mask=prob_mask, max_ctx_len=max_ctx_len, with_confidence=False)
 
     def _propose_triton(self, anchors, anchor_pos, block_tables, num_drafts, batch, probabilistic,
-                        prob_mask: torch.Tensor | None = None, max_ctx_len: int | None = None) -> Proposal:
+                        prob_mask: torch.Tensor | None = None, max_ctx_len: int | None = None,
+                        with_confidence: bool = True) -> Proposal:
         """propose with the Triton kernels: block attention over the paged cache, then the fused
         Markov sampler (markov_sample, which picks the tokens the PyTorch loop picks); the confidence
         head, which needs only the drafted tokens, runs after it."""
@@ -197,7 +200,7 @@ class DSparkProposer:
         tokens, probs = markov_sample(U, anchors, w1, w2_t, batch, anchor_pos + 1, list(probabilistic),
                                       prob_mask=prob_mask)
         conf = None
-        if d.confidence is not None:
+        if d.confidence is not None and with_confidence:
             conf = torch.empty(anchors.shape[0], num_drafts, device=anchors.device)
             for k in range(num_drafts):
                 prev = anchors if k == 0 else tokens[:, k - 1]
