@@ -35,8 +35,9 @@ max_model_len) and the smallest bucket that covers the batch is replayed: a 1k-c
 max_model_len 8192 does the work of the 1k graph, not the 8k one.
 
 Inputs live in fixed device buffers written before each replay (one host->device copy of the packed
-integer inputs, one of the block tables); outputs live in each graph's own tensors, kept alive so the
-shared memory pool never hands them out. ``capture=False`` runs the very same padded, fixed-shape
+integer inputs, one of the block tables); the large outputs (fp32 logits, the drafts' q) go to
+buffers shared by all graphs of a kind, the small ones stay in each graph's own tensors (kept alive,
+so the shared memory pool never hands them out). ``capture=False`` runs the very same padded, fixed-shape
 step eagerly: on a CPU (Triton's interpreter) the tests check all the padding logic that way.
 """
 
@@ -134,6 +135,10 @@ class StepGraphs:
         temperature, top_p, min_p = (self.floats[i * Bm:(i + 1) * Bm] for i in range(3))
         self.valid, self.prob_mask = self.flags[:Tm], self.flags[Tm:]
         self.query_start_loc = (torch.arange(Bm + 1, dtype=torch.int32) * q).to(dev)
+        # Outputs every graph of a kind shares (a graph's other outputs are small): the target's fp32
+        # logits and the drafts' q. Each is read before the next replay of its kind (stream order).
+        self.logits = torch.empty(Tm, V, **f32)
+        self.probs = torch.empty(Bm, self.n_spec, V, **f32) if self.draft_graphs else None
         self.taps = None
         if runner.proposer is not None and runner.model.tap_layers:
             mc = runner.model_config
@@ -160,7 +165,7 @@ class StepGraphs:
             query_start_loc=self.query_start_loc[:B + 1], max_query_len=self.q, max_seq_len=bucket,
         )
         hidden, taps = r.model(self.input_ids[:T], self.positions[:T], r.backend, meta, r.kv_caches)
-        logits = r.model.compute_logits(hidden)  # [T, V] fp32, every row
+        logits = r.model.compute_logits(hidden, out=self.logits[:T])  # [T, V] fp32, every row
         if taps is not None and self.taps is not None:
             self.taps[:T].copy_(taps)
         return (logits,)
@@ -178,7 +183,8 @@ class StepGraphs:
             no_penalties=True, max_top_k=s.max_top_k,
         )
         prop = p.propose_fixed(self.anchors[:B], self.anchor_pos[:B], self.block_tables[:B], self.n_spec, batch,
-                               self.prob_mask[:B], prob, max_ctx_len=bucket)
+                               self.prob_mask[:B], prob, max_ctx_len=bucket,
+                               probs_out=self.probs[:B] if prob else None)
         return (prop.tokens, prop.probs, prop.confidence)
 
     def _run(self, table: dict, key: tuple, fn) -> tuple:

@@ -611,6 +611,7 @@ def markov_sample(
     num_warps: int = 4,
     prob_mask: Tensor | None = None,
     bias_gemm: bool | None = None,
+    probs_out: Tensor | None = None,
     _paths: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Draft N tokens per row with the Markov head, fused (see the module docstring).
@@ -624,7 +625,8 @@ def markov_sample(
     ``prob_mask``: optionally the same flags as a [B] bool tensor already on the device (saves a
     host-to-device copy, e.g. inside a CUDA graph). ``bias_gemm``: compute each slot's Markov bias
     with one torch GEMM for the whole batch instead of inside the kernel (default: from 4 rows on,
-    where re-reading W2 per row costs more than the extra launch).
+    where re-reading W2 per row costs more than the extra launch). ``probs_out``: a contiguous
+    [B, N, V] fp32 tensor that receives q (a CUDA graph's shared buffer) instead of a new one.
     ``_paths`` (tests): a [B, N] int32 tensor that receives, for sampled rows, how θ was found
     (0 no filter search, 1 sorted candidates, 2 bisection); -1 for other rows.
     """
@@ -637,7 +639,11 @@ def markov_sample(
         base_logits = base_logits.contiguous()
     prob, any_prob = _as_row_mask(probabilistic, prob_mask, B, dev)
     tokens = torch.empty(B, N, dtype=torch.int64, device=dev)
-    probs = torch.empty(B, N, V, dtype=torch.float32, device=dev) if any_prob else None
+    probs = None
+    if any_prob:
+        probs = probs_out if probs_out is not None else torch.empty(B, N, V, dtype=torch.float32, device=dev)
+        if probs.shape != (B, N, V) or not probs.is_contiguous():
+            raise ValueError(f"probs_out must be a contiguous {(B, N, V)} tensor")
     if B == 0 or N == 0:
         return tokens, probs
 

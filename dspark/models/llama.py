@@ -174,8 +174,11 @@ class LlamaForCausalLM(nn.Module):
         tap = torch.cat([taps[i] for i in self.tap_layers], dim=-1) if taps else None
         return x, tap
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, H] -> [N, V] float32 logits (fp32 matmul whatever the model dtype)."""
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[N, H] -> [N, V] float32 logits (fp32 matmul whatever the model dtype); ``out``: write them
+        there (a CUDA graph's shared logits buffer) instead of a new tensor."""
+        if out is not None:
+            return torch.matmul(hidden.float(), self.lm_head.weight_t, out=out)  # the lm_head has no bias
         return self.lm_head(hidden.float())
 
     # ---------------------------------------------------------------- weights

@@ -174,7 +174,7 @@ class DSparkProposer:
         return d.norm(h)
 
     def propose_fixed(self, anchors, anchor_pos, block_tables, num_drafts, batch, prob_mask: torch.Tensor,
-                      any_prob: bool, max_ctx_len: int | None = None) -> Proposal:
+                      any_prob: bool, max_ctx_len: int | None = None, probs_out: torch.Tensor | None = None) -> Proposal:
         """propose for a fixed-shape step (a CUDA graph, dspark/engine/cuda_graphs.py): the Triton path,
         the rows' probabilistic flags as a device mask and only whether any row samples on the host;
         ``max_ctx_len`` is the graph's context bucket. Reads no tensor value on the host."""
@@ -182,11 +182,12 @@ class DSparkProposer:
         # No confidence head here: nothing in the engine consumes c_k yet, and its per-slot ops are
         # ~35 of the drafter graph's kernels.
         return self._propose_triton(anchors, anchor_pos, block_tables, num_drafts, batch, [any_prob] * B,
-                                    prob_mask=prob_mask, max_ctx_len=max_ctx_len, with_confidence=False)
+                                    prob_mask=prob_mask, max_ctx_len=max_ctx_len, with_confidence=False,
+                                    probs_out=probs_out)
 
     def _propose_triton(self, anchors, anchor_pos, block_tables, num_drafts, batch, probabilistic,
                         prob_mask: torch.Tensor | None = None, max_ctx_len: int | None = None,
-                        with_confidence: bool = True) -> Proposal:
+                        with_confidence: bool = True, probs_out: torch.Tensor | None = None) -> Proposal:
         """propose with the Triton kernels: block attention over the paged cache, then the fused
         Markov sampler (markov_sample, which picks the tokens the PyTorch loop picks); the confidence
         head, which needs only the drafted tokens, runs after it."""
@@ -198,7 +199,7 @@ class DSparkProposer:
         w1 = d.markov_w1.weight if d.markov_w1 is not None else None
         w2_t = d.markov_w2.weight_t if d.markov_w2 is not None else None
         tokens, probs = markov_sample(U, anchors, w1, w2_t, batch, anchor_pos + 1, list(probabilistic),
-                                      prob_mask=prob_mask)
+                                      prob_mask=prob_mask, probs_out=probs_out)
         conf = None
         if d.confidence is not None and with_confidence:
             conf = torch.empty(anchors.shape[0], num_drafts, device=anchors.device)
