@@ -136,7 +136,16 @@ class ModelRunner:
         if self.proposer is not None and not graphs.draft_graphs:
             logger.warning("no CUDA graphs: the proposer %s has no graph path", type(self.proposer).__name__)
             return
-        graphs.capture_all()
+        try:
+            graphs.capture_all()
+        except RuntimeError as e:  # out of memory, an op that cannot be captured: serve eagerly instead
+            if not capture:
+                raise
+            logger.warning("CUDA graph capture failed (%s: %s); running every step eagerly, as with "
+                           "--enforce-eager (lower --max-num-seqs / --max-model-len to capture fewer graphs)",
+                           type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            torch.cuda.empty_cache()
+            return
         self.graphs = graphs
 
     def release(self, request_id: str) -> None:
