@@ -35,6 +35,10 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
                    help="attention over the paged KV cache: torch (PyTorch SDPA, any device), triton (Triton "
                         "paged-attention kernels; CUDA, or a CPU only in Triton's interpreter), auto (triton on CUDA, "
                         "torch elsewhere) (default: auto)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="the target's results per row do not depend on the batch (batch-invariant Triton matmul, "
+                        "unsplit attention): greedy speculative output equals plain output in bf16 too; slower; "
+                        "needs the triton backend")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs: run every step eagerly (graphs are captured at start-up on CUDA with the "
                         "triton attention backend)")
@@ -44,7 +48,7 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
     kw = dict(
         device=a.device, dtype=a.dtype, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
         kv_cache_memory_gb=a.kv_cache_memory_gb, enable_prefix_caching=not a.no_prefix_caching, seed=a.seed,
-        attention_backend=a.attention_backend, enforce_eager=a.enforce_eager,
+        attention_backend=a.attention_backend, enforce_eager=a.enforce_eager, batch_invariant=a.batch_invariant,
     )
     if a.max_model_len is not None:
         kw["max_model_len"] = a.max_model_len

@@ -95,6 +95,9 @@ class EngineConfig:
     seed: int = 0  # seeds the per-request seeds of requests that bring none
     attention_backend: str = "auto"  # one of ATTENTION_BACKENDS; see resolved_attention_backend
     enforce_eager: bool = False  # True: no CUDA graphs (dspark/engine/cuda_graphs.py), every step eager
+    # True: the target's row results do not depend on how many rows a step has (batch-invariant matmul,
+    # unsplit attention with fixed key tiles): greedy speculative output equals plain output in bf16 too.
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -105,6 +108,10 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"unknown attention_backend {self.attention_backend!r}: use one of "
                              f"{', '.join(ATTENTION_BACKENDS)}")
+        if self.batch_invariant and self.resolved_attention_backend != "triton":
+            raise ValueError("batch_invariant needs the triton attention backend (its kernels are the batch-invariant "
+                             f"ones); attention_backend {self.attention_backend!r} resolves to "
+                             f"{self.resolved_attention_backend!r} on {self.device}")
 
     @property
     def resolved_attention_backend(self) -> str:

@@ -25,7 +25,7 @@ from dspark.engine.kv_cache import KVCacheManager
 from dspark.engine.request import Request
 from dspark.engine.scheduler import SchedulerOutput
 from dspark.layers.attention import BatchLayout, TorchAttentionBackend
-from dspark.layers.linear import use_cpu_split_k
+from dspark.layers.linear import use_batch_invariant, use_cpu_split_k
 from dspark.models.llama import LlamaForCausalLM
 from dspark.models.loader import LoadedModel
 from dspark.sample.sampler import Sampler, SamplingBatch, as_int64, compute_probs
@@ -46,13 +46,13 @@ class StepResult:
     verify_time_s: float = 0.0
 
 
-def make_attention_backend(name: str, device: torch.device):
+def make_attention_backend(name: str, device: torch.device, batch_invariant: bool = False):
     """The attention backend named by EngineConfig.resolved_attention_backend. Triton is imported only
     when asked for."""
     if name == "triton":
         from dspark.layers.triton_attention import TritonAttentionBackend
 
-        return TritonAttentionBackend(device)
+        return TritonAttentionBackend(device, batch_invariant)
     return TorchAttentionBackend()
 
 
@@ -78,7 +78,7 @@ class ModelRunner:
         the target exists (the drafter shares the target's embedding and lm_head)."""
         self.config = config
         self.device = torch.device(config.device)
-        self.backend = make_attention_backend(config.resolved_attention_backend, self.device)
+        self.backend = make_attention_backend(config.resolved_attention_backend, self.device, config.batch_invariant)
         self.model_config = mc = loaded.config
         self.max_positions = config.max_model_len + 64  # RoPE covers every reachable position, drafts included
         self.spec = spec
@@ -93,6 +93,8 @@ class ModelRunner:
         self.model.eval()
         # The Triton backend also runs the decoder's fused kernels (dspark/kernels/fused_ops.py).
         self.model.fused = config.resolved_attention_backend == "triton"
+        if config.batch_invariant:  # every target matmul through the batch-invariant kernel
+            use_batch_invariant(self.model)
         if proposer_factory is not None:
             self.proposer = proposer_factory.build(self.model)
             if hasattr(self.proposer, "use_triton"):  # DSparkProposer: draft with the Triton kernels too

@@ -37,8 +37,13 @@ class Linear(nn.Module):
         self.weight_t = nn.Parameter(torch.empty(in_features, out_features), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
         self.split_k = 1  # > 1: CPU split-K bmm over this many input slices (see the module docstring)
+        self.batch_invariant = False  # True: dspark/kernels/matmul.py (row results independent of the row count)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        if self.batch_invariant:
+            from dspark.kernels.matmul import matmul_invariant
+
+            return matmul_invariant(x, self.weight_t, self.bias)
         c = self.split_k
         if c > 1 and x.device.type == "cpu":
             k, n = self.weight_t.shape
@@ -79,4 +84,15 @@ def use_cpu_split_k(module: nn.Module, chunks: int | None = None) -> int:
         if isinstance(m, Linear):
             m.split_k = c if c > 1 and m.weight_t.shape[0] % c == 0 and m.weight_t.is_contiguous() else 1
             n += m.split_k > 1
+    return n
+
+
+def use_batch_invariant(module: nn.Module) -> int:
+    """Route every Linear in ``module`` through the batch-invariant Triton matmul
+    (EngineConfig.batch_invariant). Returns how many layers were switched."""
+    n = 0
+    for m in module.modules():
+        if isinstance(m, Linear):
+            m.batch_invariant = True
+            n += 1
     return n

@@ -63,8 +63,12 @@ class TritonAttentionBackend:
     """Paged attention in Triton (see the module docstring). ``device`` is the engine's device: CUDA,
     or a CPU where Triton runs in its interpreter (tests)."""
 
-    def __init__(self, device: str | torch.device) -> None:
+    def __init__(self, device: str | torch.device, batch_invariant: bool = False) -> None:
         device = torch.device(device)
+        # Batch-invariant (EngineConfig.batch_invariant): no key-range split and one key tile size, so a
+        # row's softmax sums the same tiles in the same order however many rows its request or the
+        # batch has (the split count and tile size otherwise follow the batch's shape).
+        self._fixed = {"num_splits": 1, "block_n": 64} if batch_invariant else {}
         try:
             from dspark.kernels import interpreter_ready
             from dspark.kernels import paged_attention as pa
@@ -106,5 +110,5 @@ class TritonAttentionBackend:
         layer writes them in its RoPE kernel, fused_ops.rope_qk_cache): ``forward`` without write_kv."""
         return self._paged_attention(
             _last_dim_contiguous(q), k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-            scale, max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
+            scale, max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, **self._fixed,
         )

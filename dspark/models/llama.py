@@ -177,9 +177,13 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """[N, H] -> [N, V] float32 logits (fp32 matmul whatever the model dtype); ``out``: write them
         there (a CUDA graph's shared logits buffer) instead of a new tensor."""
-        if out is not None:
-            return torch.matmul(hidden.float(), self.lm_head.weight_t, out=out)  # the lm_head has no bias
-        return self.lm_head(hidden.float())
+        if out is None:
+            return self.lm_head(hidden.float())
+        if self.lm_head.batch_invariant:
+            from dspark.kernels.matmul import matmul_invariant
+
+            return matmul_invariant(hidden.float(), self.lm_head.weight_t, out=out)
+        return torch.matmul(hidden.float(), self.lm_head.weight_t, out=out)  # the lm_head has no bias
 
     # ---------------------------------------------------------------- weights
     @torch.no_grad()
