@@ -122,7 +122,8 @@ class ModelRunner:
         if self.proposer is not None:
             self.num_spec_tokens = spec.num_speculative_tokens or self.proposer.num_slots
         self.sampler = Sampler()
-        self.draft_probs: dict[str, torch.Tensor] = {}  # request id -> [N, V] q of its pending drafts
+        # request id -> (q [B, N, V] of the proposal that drafted it, its row): the q of its pending drafts
+        self.draft_probs: dict[str, tuple[torch.Tensor, int]] = {}
         self.graphs = None  # StepGraphs: decode/verify and drafter steps as CUDA graphs
         if self.device.type == "cuda" and config.resolved_attention_backend == "triton" and not config.enforce_eager:
             self.enable_graphs(capture=True)
@@ -351,17 +352,28 @@ class ModelRunner:
             p = torch.tensor(pi, device=dev)
             preqs = [reqs[i] for i in pi]
             # The target's processed distribution at each verify row; row i decides position num_tokens + i.
-            rows_reqs = [r for r in preqs for _ in range(N + 1)]
-            rows_pos = [r.num_tokens + i for r in preqs for i in range(N + 1)]
-            probs = compute_probs(tl[p].reshape(-1, V), self._sampling_batch(rows_reqs, rows_pos)).view(len(pi), N + 1, V)
+            batch = self._sampling_batch(preqs, [r.num_tokens for r in preqs]).repeat_rows(N + 1)
+            probs = compute_probs(tl[p].reshape(-1, V), batch).view(len(pi), N + 1, V)
+            # q of each request's drafts: one gather per proposal they came from (rows past a request's
+            # own drafts are never read: verify_probabilistic masks them); greedy drafts are one-hot.
             q = torch.zeros(len(pi), N, V, device=dev)
+            groups: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
+            one_hot = []
             for j, r in enumerate(preqs):
-                qr = self.draft_probs.get(r.request_id)
-                n = len(r.spec_token_ids)
-                if qr is None:  # greedy drafts: each draft is deterministic, q is one-hot
-                    q[j, torch.arange(n, device=dev), drafts[p[j], :n]] = 1.0
+                entry = self.draft_probs.get(r.request_id)
+                if entry is None:
+                    one_hot.append(j)
                 else:
-                    q[j, :n] = qr[:n]
+                    src, row = entry
+                    g = groups.setdefault(id(src), (src, [], []))
+                    g[1].append(j)
+                    g[2].append(row)
+            for src, js, rows in groups.values():
+                n = min(N, src.shape[1])
+                q[torch.tensor(js, device=dev), :n] = src[torch.tensor(rows, device=src.device), :n]
+            if one_hot:
+                oh = torch.tensor(one_hot, device=dev)
+                q[oh] = torch.zeros(len(one_hot), N, V, device=dev).scatter_(2, drafts[p[oh]].unsqueeze(-1), 1.0)
             seeds = torch.tensor([as_int64(r.seed) for r in preqs], device=dev)
             pos = torch.tensor([r.num_tokens for r in preqs], device=dev)
             out[p], n_out[p] = verify_probabilistic(probs, drafts[p], q, num_drafts[p], seeds, pos,
@@ -427,4 +439,4 @@ class ModelRunner:
         for j, (_, r, _, _, n) in enumerate(cand):
             result.drafts[r.request_id] = toks[j][:n]
             if prob[j]:
-                self.draft_probs[r.request_id] = probs[j, :n]
+                self.draft_probs[r.request_id] = (probs, j)  # row j of this proposal's q [B, N, V]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.nn.functional as F
@@ -67,6 +67,15 @@ class SamplingBatch:
     max_top_k: int  # largest enabled top_k (0 if none): top-k without top-p needs only this many values
     prompt_counts: Tensor | None = None  # [B, V] int32 token counts in the prompt; only with a repetition penalty
     output_counts: Tensor | None = None  # [B, V] int32 token counts in the output; only with any penalty
+
+    def repeat_rows(self, k: int) -> SamplingBatch:
+        """Each row k times in a row, the copies at positions p, p + 1, ..., p + k - 1 (the N + 1 rows a
+        verification step decides per request), without going back to the host."""
+        out = replace(self, **{f.name: getattr(self, f.name).repeat_interleave(k, dim=0) for f in fields(self)
+                               if isinstance(getattr(self, f.name), Tensor)})
+        steps = torch.arange(k, device=self.positions.device).repeat(self.positions.shape[0])
+        out.positions = out.positions + steps
+        return out
 
     @classmethod
     def build(
