@@ -30,10 +30,10 @@ class LoadedModel:
 
 
 def load_model(model: str | None, dtype: torch.dtype, device: str) -> LoadedModel:
-    from dspark.models import gguf_loader
-
     name = model or DEFAULT_MODEL
     if name.lower() == DEFAULT_MODEL:
+        from dspark.models import gguf_loader  # imports gguf: only for GGUF models
+
         path = gguf_loader.default_gguf_path()
         return _from_gguf(DEFAULT_MODEL, path, dtype, device)
     path = Path(name).expanduser()
@@ -50,10 +50,10 @@ def load_model(model: str | None, dtype: torch.dtype, device: str) -> LoadedMode
 
 def load_model_config(model: str | None) -> dict[str, Any]:
     """Only the HF-style config of a model (no weights)."""
-    from dspark.models import gguf_loader
-
     name = model or DEFAULT_MODEL
     if name.lower() == DEFAULT_MODEL or name.endswith(".gguf"):
+        from dspark.models import gguf_loader
+
         path = gguf_loader.default_gguf_path() if name.lower() == DEFAULT_MODEL else Path(name)
         return gguf_loader.load_gguf_config(path)
     p = Path(name) / "config.json"
