@@ -34,6 +34,18 @@ from tests.conftest import write_tiny_checkpoint  # noqa: E402
 from tests.spec.drafters import random_drafter  # noqa: E402
 
 
+def error_row(e: Exception) -> dict:
+    import traceback
+
+    return {"error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()[-3000:]}
+
+
+def report(name: str, row: dict) -> None:
+    print(name, json.dumps({k: v for k, v in row.items() if k != "tb"}), flush=True)
+    if "tb" in row:
+        print(row["tb"], flush=True)
+
+
 def save():
     (out_dir / "graphs_check.json").write_text(json.dumps(res, indent=1))
 
@@ -74,13 +86,9 @@ if "correct" in parts:
                     st = graph.engine.spec_stats
                     row["drafts"], row["accepted"] = st.num_drafts, st.num_accepted
             except Exception as e:  # report and go on to the next configuration
-                import traceback
-
-                row = {"error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()[-3000:]}
+                row = error_row(e)
             checks[name] = row
-            print(name, json.dumps({k: v for k, v in row.items() if k != "tb"}), flush=True)
-            if "tb" in row:
-                print(row["tb"], flush=True)
+            report(name, row)
     res["correct"] = checks
     save()
 
@@ -170,13 +178,9 @@ if "steps" in parts:
                     del eager
                     torch.cuda.empty_cache()
             except Exception as e:
-                import traceback
-
-                row = {"error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()[-3000:]}
+                row = error_row(e)
             steps[name] = row
-            print(name, json.dumps({k: v for k, v in row.items() if k != "tb"}), flush=True)
-            if "tb" in row:
-                print(row["tb"], flush=True)
+            report(name, row)
             res["steps"] = steps
             save()
 save()

@@ -135,6 +135,8 @@ class StepGraphs:
         temperature, top_p, min_p = (self.floats[i * Bm:(i + 1) * Bm] for i in range(3))
         self.valid, self.prob_mask = self.flags[:Tm], self.flags[Tm:]
         self.query_start_loc = (torch.arange(Bm + 1, dtype=torch.int32) * q).to(dev)
+        self.row_index = torch.arange(q, device=dev)  # [q], a request's rows 0..q-1
+        self.ones = torch.ones(Bm, dtype=torch.int64, device=dev)  # one token emitted per plain decode row
         # Outputs every graph of a kind shares (a graph's other outputs are small): the target's fp32
         # logits and the drafts' q. Each is read before the next replay of its kind (stream order).
         self.logits = torch.empty(Tm, V, **f32)
@@ -379,7 +381,7 @@ class StepGraphs:
         B, q = out.shape[0], self.q
         valid = self.valid[:Bg * q].view(Bg, q)
         valid.zero_()
-        valid[:B] = torch.arange(q, device=out.device)[None, :] < n_out[:, None]
+        valid[:B] = self.row_index[None, :] < n_out[:, None]
         self.anchors[:Bg].zero_()
         self.anchor_pos[:Bg].zero_()
         self.anchors[:B] = out.gather(1, (n_out - 1)[:, None]).squeeze(1)

@@ -283,7 +283,7 @@ class ModelRunner:
         if q > 1:
             out, n_out = verify_greedy(am, G.input_ids[:Bg * q].view(Bg, q)[:B, 1:], G.num_drafts[:B])
         else:
-            out, n_out = am, torch.ones(B, dtype=torch.int64, device=am.device)
+            out, n_out = am, G.ones[:B]
         parts = [out.reshape(-1), n_out]
         if ev:
             ev[1].record()

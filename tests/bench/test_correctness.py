@@ -15,15 +15,6 @@ from dspark.cli import main
 from dspark.drafters import shipped_drafter
 
 
-@pytest.fixture
-def one_thread():
-    """One thread keeps a loaded 2-core machine's OpenMP barriers from stalling the run (timings are not asserted)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.mark.skipif(shipped_drafter(None) is None, reason="the shipped drafter's weights are not installed")
 def test_cli_correctness_on_the_default_model_cpu_fp32(tmp_path, one_thread, capsys):
     out = tmp_path / "correctness.json"

@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from dspark.bench.prompts import CODE_PROMPTS
 from dspark.cli import main
@@ -38,15 +37,6 @@ def write_tiny_tokenizer(path: Path) -> None:
     fast.chat_template = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                           "{% if add_generation_prompt %}<s>assistant:{% endif %}")
     fast.save_pretrained(path)
-
-
-@pytest.fixture
-def one_thread():
-    """Timings are not asserted: one thread keeps a loaded machine's OpenMP barriers from stalling the run."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
