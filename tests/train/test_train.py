@@ -323,6 +323,25 @@ def test_generation_time_budget_keeps_partial_responses(target):
     assert len(out) == 4 and any(0 < len(r) < 500 for r in out) and not engine.requests
 
 
+def test_generation_passes_sample_new_responses_to_the_same_prompts(target, tmp_path, monkeypatch):
+    src = tmp_path / "split.json"
+    src.write_text(json.dumps({"train": ["a", "b", "c"], "heldout": ["h"]}))
+    # the tiny target has no tokenizer: each prompt text becomes fixed ids
+    monkeypatch.setattr(data_mod, "chat_prompt_ids",
+                        lambda engine, texts, n: [[5 + ord(t[0]) % 50, 6, 7, 8] for t in texts])
+    out = tmp_path / "train.safetensors"
+    s = data_mod.build_datasets(str(target), out, None, num_prompts=3, num_heldout_prompts=0, max_tokens=24,
+                                max_prompt_tokens=16, device="cpu", prompt_source=str(src), passes=2)
+    d = TokenData.load(out)
+    assert s["train"]["passes"] == 2 and len(d) == 6
+    first, second = [[d.sequence(i)[0].tolist() for i in r] for r in (range(3), range(3, 6))]
+    assert [x[:4] for x in first] == [x[:4] for x in second]  # the same prompts, in the same order
+    assert all(a != b for a, b in zip(first, second))  # new seeds: new responses
+    with pytest.raises(ValueError, match="passes"):
+        data_mod.build_datasets(str(target), out, None, num_prompts=3, num_heldout_prompts=0, max_tokens=4,
+                                max_prompt_tokens=16, device="cpu", prompt_source=str(src), passes=0)
+
+
 # ---------------------------------------------------------------------------------------- training
 def _cfg(target, token_files, out, **kw) -> TrainConfig:
     base = dict(out=str(out), data=str(token_files[0]), eval_data=str(token_files[1]), model=str(target),
