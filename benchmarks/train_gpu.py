@@ -77,6 +77,8 @@ def main() -> int:
                    help="training time the schedule is fitted to (over all calls of a split run)")
     t.add_argument("--stop-after-s", type=float, default=None, help="end this call's training then (checkpoint)")
     t.add_argument("--resume", action="store_true", help="continue RUN's checkpoint in --work")
+    t.add_argument("--restart-steps", type=int, default=None,
+                   help="with --resume: a warm restart, a new warm-up + cosine of this many steps (at --lr)")
     t.add_argument("--max-steps", type=int, default=100_000)
     t.add_argument("--block-size", type=int, default=5)
     t.add_argument("--num-layers", type=int, default=2)
@@ -143,7 +145,7 @@ def main() -> int:
             target_layer_ids=[int(x) for x in a.target_layer_ids.split(",")] if a.target_layer_ids else None,
             steps=a.max_steps, batch_size=a.batch_size, seq_len=a.seq_len, anchors_per_seq=a.anchors_per_seq,
             lr=a.lr, eval_every=a.eval_every, eval_seqs=a.eval_seqs, save_every=250, log_every=10,
-            device=a.device, resume=a.resume, time_budget_s=None if a.resume else budget,
+            device=a.device, resume=a.resume, restart_steps=a.restart_steps, time_budget_s=None if a.resume else budget,
             stop_after_s=a.stop_after_s, extra={"data_generation": summary.get("generation")})
         trainer = Trainer(cfg, sys.argv)
         log(f"training run {a.run} ({'resumed, ' if a.resume else ''}budget {budget:.0f}s, "

@@ -69,6 +69,7 @@ class TrainConfig:
     device: str = "auto"
     save_dtype: str = "bfloat16"  # dtype of the exported drafter tensors
     resume: bool = False  # continue from out/trainer_state.pt
+    restart_steps: int | None = None  # with resume: a warm restart, a new warm-up + cosine of this many steps
     extra: dict[str, Any] = field(default_factory=dict)  # recorded as-is (e.g. data generation settings)
 
 
@@ -149,13 +150,14 @@ class Trainer:
         self.eval_idx = usable_sequences(self.eval_data, cfg.seq_len)[:cfg.eval_seqs] if self.eval_data else []
         self.step = 0
         self.total_steps = cfg.steps
+        self.schedule = 0  # warm restarts so far: each schedule draws its own batches
         self.log_path = self.out / "train_log.jsonl"
 
     # ------------------------------------------------------------------ one step
     def _step_generator(self, step: int) -> torch.Generator:
-        """Step ``step``'s batch and anchors depend on (seed, step) only: a resumed run sees the same
-        data as an uninterrupted one."""
-        return torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + step)
+        """Step ``step``'s batch and anchors depend on (seed, schedule, step) only: a resumed run sees
+        the same data as an uninterrupted one, and a warm restart does not replay the first schedule's."""
+        return torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + step + 7_919 * 1_000_003 * self.schedule)
 
     def _train_loss(self, step: int) -> LossOutput:
         g = self._step_generator(step)
@@ -195,8 +197,8 @@ class Trainer:
 
     def save(self) -> None:
         save_drafter(self.out / "drafter", self.drafter_config, drafter_state_dict(self.drafter), self.save_dtype)
-        state = {"step": self.step, "total_steps": self.total_steps, "drafter": drafter_state_dict(self.drafter),
-                 "optimizer": self.opt.state_dict()}
+        state = {"step": self.step, "total_steps": self.total_steps, "schedule": self.schedule,
+                 "drafter": drafter_state_dict(self.drafter), "optimizer": self.opt.state_dict()}
         tmp = self.out / "trainer_state.pt.tmp"
         torch.save(state, tmp)
         tmp.replace(self.out / "trainer_state.pt")
@@ -207,6 +209,11 @@ class Trainer:
                                               self.target.lm_head.weight_t)
         self.opt.load_state_dict(state["optimizer"])
         self.step, self.total_steps = int(state["step"]), int(state["total_steps"])
+        self.schedule = int(state.get("schedule", 0))
+        if self.cfg.restart_steps is not None:  # warm restart: same weights and Adam moments, new schedule
+            if self.cfg.restart_steps < 1:
+                raise ValueError(f"restart_steps must be >= 1, got {self.cfg.restart_steps}")
+            self.step, self.total_steps, self.schedule = 0, self.cfg.restart_steps, self.schedule + 1
 
     def _plan_steps(self, budget_s: float) -> int:
         """Steps that fit budget_s: the median of 5 forward/backward passes after 3 warm-ups (no
@@ -260,6 +267,8 @@ class Trainer:
         t_start = time.perf_counter()
         if cfg.resume and (self.out / "trainer_state.pt").is_file():
             self._resume()
+            if cfg.restart_steps is not None:
+                self._log({"step": 0, "warm_restart": self.schedule, "total_steps": self.total_steps, "lr": cfg.lr})
         else:
             self.log_path.unlink(missing_ok=True)
             if cfg.time_budget_s is not None:

@@ -396,6 +396,30 @@ def test_resume_after_interrupt_matches_an_uninterrupted_run(target, token_files
     assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
 
 
+def test_warm_restart_starts_a_new_schedule_from_the_checkpoint(target, token_files, tmp_path):
+    out = tmp_path / "run"
+    first = Trainer(_cfg(target, token_files, out, steps=6, eval_data=None))
+    first.train()
+    w_first = drafter_state_dict(first.drafter)
+    batches_first = [first._train_loss(s).tau_prob.item() for s in range(2)]
+    again = Trainer(_cfg(target, token_files, out, steps=6, eval_data=None, resume=True, restart_steps=5, lr=1e-3))
+    again._resume()  # weights and Adam moments of the checkpoint, a fresh schedule
+    assert (again.step, again.total_steps, again.schedule) == (0, 5, 1)
+    assert all(torch.equal(w_first[k], v) for k, v in drafter_state_dict(again.drafter).items())
+    assert [again._train_loss(s).tau_prob.item() for s in range(2)] != batches_first  # new batches
+    rest = Trainer(_cfg(target, token_files, out, steps=6, eval_data=None, resume=True, restart_steps=5))
+    final = rest.train()
+    assert final["steps"] == 5 and final["total_steps"] == 5
+    log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
+    assert any(r.get("warm_restart") == 1 for r in log)
+    lrs = [r["lr"] for r in log if "loss" in r][-5:]  # the new schedule from its start
+    assert lrs == pytest.approx([3e-3 * cosine_lr(s, 5, 0.04) for s in range(5)])
+    state = torch.load(out / "trainer_state.pt", weights_only=True)
+    assert (state["step"], state["total_steps"], state["schedule"]) == (5, 5, 1)
+    with pytest.raises(ValueError, match="restart_steps"):
+        Trainer(_cfg(target, token_files, out, eval_data=None, resume=True, restart_steps=0))._resume()
+
+
 def test_time_budget_refits_the_step_count_from_real_steps(target, token_files, tmp_path, monkeypatch):
     """The planner's estimate is replaced after REPLAN_AT real steps by one from their measured pace; a
     split run (stop_after_s, then resume) keeps the schedule."""
