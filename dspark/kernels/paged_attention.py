@@ -274,6 +274,7 @@ def paged_attention(
     max_seq_len: int | None = None,
     num_splits: int | None = None,
     block_n: int | None = None,
+    block_m: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's new query rows over its paged K/V -> [T, Hq, D].
@@ -285,7 +286,11 @@ def paged_attention(
     default ``ceil(T / B)``, exact for uniform batches) sizes the query tile, and when given also
     spreads longer requests' query chunks over several programs; ``max_seq_len`` (e.g. the context
     bucket a CUDA graph is captured for) caps the split count; ``num_splits`` / ``block_n`` override
-    the key-range split count and key tile size.
+    the key-range split count and key tile size, ``block_m`` (a power of two >= 16 and >= the GQA
+    group) the query tile's rows. Batch-invariant mode fixes all three: the tile shape decides how
+    Triton lays the tile out over the warps, and so the order in which a row's softmax max and sum
+    are reduced — a one-token decode (16-row tile) and a 1 + N-token verification (32 rows) would
+    otherwise round the same row differently.
     """
     T, Hq, D = q.shape
     _check_cache(k_cache, v_cache)
@@ -302,7 +307,10 @@ def paged_attention(
     if T == 0 or B == 0:
         return out
     mq = max(max_query_len if max_query_len is not None else -(-T // B), 1)
-    block_m = min(next_pow2(max(16, mq * G)), max(64, next_pow2(G)))
+    if block_m is None:
+        block_m = min(next_pow2(max(16, mq * G)), max(64, next_pow2(G)))
+    elif block_m < max(16, G) or block_m & (block_m - 1):
+        raise ValueError(f"block_m must be a power of two >= max(16, G={G}), got {block_m}")
     block_q = block_m // G
     q_programs = -(-mq // block_q) if max_query_len is not None else 1
     block_n = block_n or (64 if block_m == 16 else 128)  # bigger query tiles amortise bigger key tiles

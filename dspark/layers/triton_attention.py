@@ -65,10 +65,12 @@ class TritonAttentionBackend:
 
     def __init__(self, device: str | torch.device, batch_invariant: bool = False) -> None:
         device = torch.device(device)
-        # Batch-invariant (EngineConfig.batch_invariant): no key-range split and one key tile size, so a
-        # row's softmax sums the same tiles in the same order however many rows its request or the
-        # batch has (the split count and tile size otherwise follow the batch's shape).
-        self._fixed = {"num_splits": 1, "block_n": 64} if batch_invariant else {}
+        # Batch-invariant (EngineConfig.batch_invariant): no key-range split, one key tile size and one
+        # query tile size, so a row's softmax sums the same tiles in the same order, reduced over the
+        # same warp layout, however many rows its request or the batch has (the split count and the
+        # tile sizes otherwise follow the batch's shape; paged_attention's docstring says why the
+        # query tile matters too).
+        self._fixed = {"num_splits": 1, "block_n": 64, "block_m": 64} if batch_invariant else {}
         try:
             from dspark.kernels import interpreter_ready
             from dspark.kernels import paged_attention as pa

@@ -103,6 +103,21 @@ def test_query_chunks_over_several_programs():
 
 
 @pytest.mark.parametrize("name,seq_lens,q_lens", CASES, ids=[c[0] for c in CASES])
+def test_fixed_query_tile_of_batch_invariant_mode(name, seq_lens, q_lens):
+    """block_m fixed at 64 (batch-invariant mode: decode, verification and prefill rows share one tile
+    layout) covers every row, however few or many a request has; bad sizes are refused."""
+    b = make_batch(seq_lens, q_lens, heads=(9, 3), head_dim=64, page=4, pad_requests=1)
+    kc, vc = written(b)
+    ref = paged_attention_ref(b.q, kc, vc, b.block_tables, b.seq_lens, b.qsl, 0.125)
+    out = paged_attention(b.q, kc, vc, b.block_tables, b.seq_lens, b.qsl, 0.125, max_query_len=max(q_lens),
+                          num_splits=1, block_n=64, block_m=64)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
+    for bad in (8, 48):
+        with pytest.raises(ValueError, match="block_m"):
+            paged_attention(b.q, kc, vc, b.block_tables, b.seq_lens, b.qsl, 0.125, block_m=bad)
+
+
+@pytest.mark.parametrize("name,seq_lens,q_lens", CASES, ids=[c[0] for c in CASES])
 def test_reference_matches_torch_backend(name, seq_lens, q_lens):
     """The engine's backend writes the new K/V and attends; write_kv + the reference (and the kernel)
     on the same batch give the same rows, the padding request included."""
