@@ -1,0 +1,315 @@
+"""Fused probabilistic speculative verification ("standard", token-wise), in Triton.
+
+Fused kernel
+------------
+``verify_standard_triton`` computes exactly ``dspark.spec.rejection.verify_probabilistic(...,
+method="standard")`` (same contract, same random keys, same tokens), which in torch is ~60 small ops
+and two Philox draws per verify step. For each request b with N_b drafts it fuses
+
+  1. acceptance: p_i(X_i), q_i(X_i) for i <= N_b, r_i = p_i(X_i) / max(q_i(X_i), tiny) (a correctly
+     rounded division, ``div_rn``), U_i from the Philox words of ``uniform(seed, position,
+     STREAM_ACCEPT, N)`` (column i - 1), a = length of the prefix with U_i <= r_i;
+  2. the final token: Gumbel-max over the vocabulary, in tiles, with the noise
+     ``gumbel(seed, position + a, STREAM_RECOVER, V)`` (column = token id), of
+     norm(max(p_{a+1} - q_{a+1}, 0)), or of p_{a+1} for the bonus row (a = N_b) or a residual with no
+     mass. One pass serves both: it tracks the running argmax of log(residual) + g and of
+     log(p) + g, and whether the residual has mass (the reference's ``residual.sum() > 0``, which for
+     non-negative terms is "some term > 0 and none is NaN"), and picks at the end; ties go to the
+     lowest token id, as ``torch.argmax``;
+  3. the output row X_1..X_a, Y, -1 padding, and num_emitted = a + 1.
+
+Launches: one program handles ``block_b`` requests (1 on a GPU) and a contiguous range of vocabulary
+tiles; the vocabulary of each request is split over ``splits`` programs so that a small batch still
+fills the GPU (default on CUDA: about two programs per SM). With one split the kernel writes the
+result itself (ONE launch); with several, each program writes its partial maxima and a second small
+kernel reduces them in split order and writes the result (TWO launches). The grid, the loop bounds
+and the split count depend only on the shapes (B, N, V) and the device, never on tensor values: no
+host synchronisation, so it can be captured in a CUDA graph.
+
+Randomness is the reference's, key for key (dspark.sample.rng): acceptance uniforms
+uniform(seeds, positions, accept_stream, N), Gumbel noise gumbel(seeds, positions + a,
+recover_stream, V), through the Philox/Gumbel helpers of dspark.kernels.markov_sampler. Like the
+Markov sampler, the logs are libdevice's on the GPU (what torch's CUDA kernels call) and correctly
+rounded float64 logs in the interpreter (``PRECISE``), and fp fusion is off on the GPU. The integer
+work (Philox, the acceptance test) is bit-exact; tokens can differ from the reference only where two
+scores log(dist) + g of the sampled row tie to within a last-bit rounding of the log (the
+interpreter's log vs torch's CPU log; on a GPU both are libdevice's).
+
+The "block" method (Sun et al. 2024) stays on the torch path (``verify_probabilistic``): its
+acceptance needs a residual mass R_i for every draft slot (a pass over the vocabulary per slot)
+before the accepted count is known.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+import triton
+import triton.language as tl
+
+from dspark.kernels import check_device, next_pow2
+from dspark.kernels.markov_sampler import _gumbel_from_words, _hi32, _lo32, _log, _philox, _precise
+from dspark.sample.rng import STREAM_ACCEPT, STREAM_RECOVER
+
+__all__ = ["verify_standard_triton"]
+
+_NEG_INF = tl.constexpr(float("-inf"))
+_TINY = tl.constexpr(1.1754943508222875e-38)  # torch.finfo(torch.float32).tiny, as rejection._TINY
+_BELOW_ONE = tl.constexpr(0.99999994039535522)  # largest float32 below 1 (rng._BELOW_ONE_F32)
+_TWO_POW_M32 = tl.constexpr(2.3283064365386963e-10)
+
+
+@triton.jit
+def _words_rows(seed, pos, stream, start, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr):
+    """[BLOCK_B, BLOCK] uint32: row r holds words start .. start + BLOCK - 1 of
+    rng._random_words(seed[r], pos[r], stream) (seed, pos: [BLOCK_B] int64; start a multiple of 4).
+    markov_sampler._random_words for a block of rows, built on the same ``_philox``."""
+    z = tl.zeros([BLOCK_B, BLOCK // 4], tl.uint32)
+    blk = (start // 4 + tl.arange(0, BLOCK // 4)).to(tl.uint32)[None, :] + z
+    c1 = _lo32(pos)[:, None] + z
+    c2 = (stream + tl.zeros([BLOCK_B, BLOCK // 4], tl.int32)).to(tl.uint32)
+    c3 = _hi32(pos)[:, None] + z
+    k0 = _lo32(seed)[:, None] + z
+    k1 = _hi32(seed)[:, None] + z
+    w0, w1, w2, w3 = _philox(blk, c1, c2, c3, k0, k1)
+    # join(join(w0, w2), join(w1, w3))[r, n, i, j] = w_{2i + j}: row-major flattening is column order.
+    return tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), [BLOCK_B, BLOCK])
+
+
+@triton.jit
+def _emit_rows(out_ptr, nout_ptr, dt_ptr, sdt_b, rows, rm, a, final, N, OUT_PAD: tl.constexpr):
+    """tokens[b] = X_1..X_a, final, -1 ...; num_emitted[b] = a + 1 (rows: [BLOCK_B] int64)."""
+    j = tl.arange(0, OUT_PAD)[None, :]
+    aa = a[:, None]
+    xs = tl.load(dt_ptr + rows[:, None] * sdt_b + j, mask=rm[:, None] & (j < aa), other=-1).to(tl.int64)
+    val = tl.where(j == aa, final[:, None].to(tl.int64), tl.where(j < aa, xs, -1))
+    tl.store(out_ptr + rows[:, None] * (N + 1) + j, val, mask=rm[:, None] & (j <= N))
+    tl.store(nout_ptr + rows, (a + 1).to(tl.int64), mask=rm)
+
+
+@triton.jit
+def _verify_standard_kernel(
+    tp_ptr, stp_b, stp_r,  # target probs [B, N+1, V] f32, unit stride over V
+    dt_ptr, sdt_b,  # draft tokens [B, N] int64
+    dp_ptr, sdp_b, sdp_r,  # draft probs [B, N, V] f32, unit stride over V
+    nd_ptr, seed_ptr, pos_ptr,  # [B] int64
+    out_ptr, nout_ptr,  # FINAL: tokens [B, N+1] int64 (contiguous), num_emitted [B] int64
+    pf_ptr, pi_ptr, acc_ptr,  # not FINAL: partials [B, S, 2] f32, [B, S, 4] int32, a [B] int32
+    B, N, V, NT, TPS, S,
+    accept_stream, recover_stream,
+    FINAL: tl.constexpr, PRECISE: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, N_PAD: tl.constexpr, OUT_PAD: tl.constexpr,
+):
+    s = tl.program_id(1)
+    rows = (tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)).to(tl.int64)
+    rm = rows < B
+    nb = tl.load(nd_ptr + rows, mask=rm, other=0)
+    nb = tl.minimum(tl.maximum(nb, 0), N).to(tl.int32)
+    seed = tl.load(seed_ptr + rows, mask=rm, other=0)
+    pos = tl.load(pos_ptr + rows, mask=rm, other=0)
+
+    # (1) Acceptance: a = length of the prefix of drafts with U_i <= p_i(X_i) / q_i(X_i).
+    j = tl.arange(0, N_PAD)[None, :] + tl.zeros([BLOCK_B, N_PAD], tl.int32)
+    valid = rm[:, None] & (j < nb[:, None])
+    x = tl.load(dt_ptr + rows[:, None] * sdt_b + j, mask=valid, other=0).to(tl.int64)
+    inv = valid & (x >= 0) & (x < V)  # a valid draft is a token id; out-of-range ones are rejected
+    px = tl.load(tp_ptr + rows[:, None] * stp_b + j * stp_r + x, mask=inv, other=0.0)
+    qx = tl.load(dp_ptr + rows[:, None] * sdp_b + j * sdp_r + x, mask=inv, other=0.0)
+    ratio = tl.math.div_rn(px, tl.maximum(qx, _TINY, propagate_nan=tl.PropagateNan.ALL))
+    w = _words_rows(seed, pos, accept_stream, 0, BLOCK_B, N_PAD)
+    u = tl.minimum((w.to(tl.float32) + 0.5) * _TWO_POW_M32, _BELOW_ONE)  # rng._open_unit
+    accept = valid & (u <= ratio)
+    a = tl.min(tl.where(accept, N_PAD, j), 1)  # first rejection (or N_b: no valid draft past it)
+    a = tl.minimum(a, nb)
+
+    # (2) Gumbel-max over this program's vocabulary tiles, of log(residual) + g and of log(p) + g.
+    is_bonus = a == nb
+    use_res = rm & (a < nb)
+    prow = rows * stp_b + a.to(tl.int64) * stp_r
+    qrow = rows * sdp_b + tl.where(use_res, a, 0).to(tl.int64) * sdp_r
+    rpos = pos + a.to(tl.int64)  # the emitted token's position keys its noise
+    best_p = tl.full([BLOCK_B], float("-inf"), tl.float32)
+    best_r = tl.full([BLOCK_B], float("-inf"), tl.float32)
+    idx_p = tl.zeros([BLOCK_B], tl.int32)
+    idx_r = tl.zeros([BLOCK_B], tl.int32)
+    mass = tl.zeros([BLOCK_B], tl.int32)  # some residual term > 0
+    nan = tl.zeros([BLOCK_B], tl.int32)  # some residual term is NaN (then residual.sum() > 0 is False)
+    t_lo = s * TPS
+    t_hi = tl.minimum(t_lo + TPS, NT)
+    for t in range(t_lo, t_hi):
+        start = t * BLOCK_V
+        cols = start + tl.arange(0, BLOCK_V)[None, :]
+        cm = rm[:, None] & (cols < V)
+        p = tl.load(tp_ptr + prow[:, None] + cols, mask=cm, other=0.0)
+        q = tl.load(dp_ptr + qrow[:, None] + cols, mask=cm & use_res[:, None], other=0.0)
+        g = _gumbel_from_words(_words_rows(seed, rpos, recover_stream, start, BLOCK_B, BLOCK_V), PRECISE)
+        d = p - q
+        r = tl.where(d < 0.0, 0.0, d)  # clamp(min=0), NaN kept as torch does
+        mass = tl.maximum(mass, tl.max((cm & (r > 0.0)).to(tl.int32), 1))
+        nan = tl.maximum(nan, tl.max((cm & (r != r)).to(tl.int32), 1))
+        sp = tl.where(cm, _log(p, PRECISE) + g, _NEG_INF)
+        sr = tl.where(cm, _log(r, PRECISE) + g, _NEG_INF)
+        mp = tl.max(sp, 1)
+        mr = tl.max(sr, 1)
+        up = mp > best_p  # strict: an earlier tile keeps a tie (lowest token id wins)
+        ur = mr > best_r
+        idx_p = tl.where(up, start + tl.argmax(sp, 1), idx_p)
+        idx_r = tl.where(ur, start + tl.argmax(sr, 1), idx_r)
+        best_p = tl.where(up, mp, best_p)
+        best_r = tl.where(ur, mr, best_r)
+
+    if FINAL:  # (3) this program saw the whole vocabulary
+        use_p = is_bonus | (mass == 0) | (nan != 0)
+        _emit_rows(out_ptr, nout_ptr, dt_ptr, sdt_b, rows, rm, a, tl.where(use_p, idx_p, idx_r), N, OUT_PAD)
+    else:
+        k = rows * S + s
+        tl.store(pf_ptr + 2 * k, best_p, mask=rm)
+        tl.store(pf_ptr + 2 * k + 1, best_r, mask=rm)
+        tl.store(pi_ptr + 4 * k, idx_p, mask=rm)
+        tl.store(pi_ptr + 4 * k + 1, idx_r, mask=rm)
+        tl.store(pi_ptr + 4 * k + 2, mass, mask=rm)
+        tl.store(pi_ptr + 4 * k + 3, nan, mask=rm)
+        tl.store(acc_ptr + rows, a, mask=rm & (s == 0))
+
+
+@triton.jit
+def _first_argmax(best, idx, sm, S_PAD: tl.constexpr):
+    """[BLOCK_B] index of the split maxima's winner: the largest, the lowest split on a tie."""
+    ss = tl.arange(0, S_PAD)[None, :]
+    top = tl.max(best, 1)
+    first = tl.min(tl.where(sm & (best == top[:, None]), ss, S_PAD), 1)
+    return tl.sum(tl.where(ss == first[:, None], idx, 0), 1)
+
+
+@triton.jit
+def _verify_reduce_kernel(
+    dt_ptr, sdt_b, nd_ptr, out_ptr, nout_ptr, pf_ptr, pi_ptr, acc_ptr, B, N, S,
+    BLOCK_B: tl.constexpr, S_PAD: tl.constexpr, OUT_PAD: tl.constexpr,
+):
+    rows = (tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)).to(tl.int64)
+    rm = rows < B
+    nb = tl.minimum(tl.maximum(tl.load(nd_ptr + rows, mask=rm, other=0), 0), N).to(tl.int32)
+    a = tl.load(acc_ptr + rows, mask=rm, other=0)
+    k = rows[:, None] * S + tl.arange(0, S_PAD)[None, :]
+    sm = rm[:, None] & (tl.arange(0, S_PAD)[None, :] < S)
+    best_p = tl.load(pf_ptr + 2 * k, mask=sm, other=float("-inf"))
+    best_r = tl.load(pf_ptr + 2 * k + 1, mask=sm, other=float("-inf"))
+    idx_p = tl.load(pi_ptr + 4 * k, mask=sm, other=0)
+    idx_r = tl.load(pi_ptr + 4 * k + 1, mask=sm, other=0)
+    mass = tl.max(tl.load(pi_ptr + 4 * k + 2, mask=sm, other=0), 1)
+    nan = tl.max(tl.load(pi_ptr + 4 * k + 3, mask=sm, other=0), 1)
+    use_p = (a == nb) | (mass == 0) | (nan != 0)
+    final = tl.where(use_p, _first_argmax(best_p, idx_p, sm, S_PAD), _first_argmax(best_r, idx_r, sm, S_PAD))
+    _emit_rows(out_ptr, nout_ptr, dt_ptr, sdt_b, rows, rm, a, final, N, OUT_PAD)
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def verify_standard_triton(
+    target_probs: Tensor,
+    draft_tokens: Tensor,
+    draft_probs: Tensor,
+    num_drafts: Tensor,
+    seeds: Tensor,
+    positions: Tensor,
+    accept_stream: int = STREAM_ACCEPT,
+    recover_stream: int = STREAM_RECOVER,
+    *,
+    block_v: int | None = None,
+    block_b: int | None = None,
+    splits: int | None = None,
+    num_warps: int = 4,
+) -> tuple[Tensor, Tensor]:
+    """``verify_probabilistic(target_probs, draft_tokens, draft_probs, num_drafts, seeds, positions,
+    "standard", accept_stream, recover_stream)``, fused (see the module docstring).
+
+    target_probs [B, N+1, V] f32; draft_tokens [B, N] int64; draft_probs [B, N, V] f32; num_drafts,
+    seeds, positions [B] int64 (num_drafts[b] in [0, N]; values outside are clamped). All on one
+    device. The probability tensors need unit stride over V (else they are copied); other dtypes are
+    converted (a copy: pass the documented dtypes inside a CUDA graph).
+    Returns (tokens [B, N+1] int64 padded with -1, num_emitted [B] int64).
+
+    Tuning (defaults by device): ``block_v`` vocabulary tile (1024 on CUDA, 128 in the interpreter);
+    ``block_b`` requests per program (1 on CUDA; up to 64 in the interpreter, where wide tiles are
+    cheap and programs are not); ``splits`` programs per request over the vocabulary (CUDA: enough
+    for ~2 programs per SM; interpreter: 1). One split is one launch, more are two.
+    """
+    check_device(target_probs)
+    batch, n = draft_tokens.shape
+    vocab = target_probs.shape[-1]
+    assert target_probs.shape == (batch, n + 1, vocab), (target_probs.shape, draft_tokens.shape)
+    assert draft_probs.shape == (batch, n, vocab), (draft_probs.shape, draft_tokens.shape)
+    dev = target_probs.device
+    tokens = torch.empty(batch, n + 1, dtype=torch.int64, device=dev)
+    num_emitted = torch.empty(batch, dtype=torch.int64, device=dev)
+    if batch == 0:
+        return tokens, num_emitted
+
+    def _f32(t: Tensor) -> Tensor:
+        t = t.to(torch.float32)
+        return t if t.stride(-1) == 1 else t.contiguous()
+
+    target_probs = _f32(target_probs)
+    draft_probs = _f32(draft_probs)
+    draft_tokens = draft_tokens.to(torch.int64)
+    if n == 0:  # nothing to read there; any valid pointer
+        draft_tokens, draft_probs, sdt_b, sdp_b, sdp_r = num_emitted, target_probs, 0, 0, 0
+    else:
+        if draft_tokens.stride(1) != 1:
+            draft_tokens = draft_tokens.contiguous()
+        sdt_b, sdp_b, sdp_r = draft_tokens.stride(0), draft_probs.stride(0), draft_probs.stride(1)
+    num_drafts = num_drafts.to(device=dev, dtype=torch.int64).contiguous()
+    seeds = seeds.to(device=dev, dtype=torch.int64).contiguous()
+    positions = positions.to(device=dev, dtype=torch.int64).contiguous()
+
+    cuda = dev.type == "cuda"
+    if block_v is None:
+        block_v = 1024 if cuda else 128
+    block_v = max(16, next_pow2(min(block_v, max(vocab, 1))))
+    if block_b is None:
+        block_b = 1 if cuda else min(64, next_pow2(batch))
+    block_b = next_pow2(block_b)
+    nt = triton.cdiv(vocab, block_v)
+    n_prog = triton.cdiv(batch, block_b)
+    if splits is None:
+        splits = triton.cdiv(2 * _sm_count(dev), n_prog) if cuda else 1
+    tps = triton.cdiv(nt, max(1, min(splits, nt)))  # tiles per split
+    n_split = max(1, triton.cdiv(nt, tps))  # no empty split
+    final = n_split == 1
+    n_pad = max(4, next_pow2(n))
+    out_pad = next_pow2(n + 1)
+    opts = {"enable_fp_fusion": False} if cuda else {}  # round like torch's separate ops
+    if final:
+        pf = pi = acc = num_emitted  # never written
+    else:
+        pf = torch.empty(batch, n_split, 2, dtype=torch.float32, device=dev)
+        pi = torch.empty(batch, n_split, 4, dtype=torch.int32, device=dev)
+        acc = torch.empty(batch, dtype=torch.int32, device=dev)
+    _verify_standard_kernel[(n_prog, n_split)](
+        target_probs, target_probs.stride(0), target_probs.stride(1),
+        draft_tokens, sdt_b,
+        draft_probs, sdp_b, sdp_r,
+        num_drafts, seeds, positions,
+        tokens, num_emitted,
+        pf, pi, acc,
+        batch, n, vocab, nt, tps, n_split,
+        accept_stream & 0xFFFFFFFF, recover_stream & 0xFFFFFFFF,
+        FINAL=final, PRECISE=_precise(target_probs),
+        BLOCK_B=block_b, BLOCK_V=block_v, N_PAD=n_pad, OUT_PAD=out_pad,
+        num_warps=num_warps, **opts,
+    )
+    if not final:
+        _verify_reduce_kernel[(n_prog,)](
+            draft_tokens, sdt_b, num_drafts, tokens, num_emitted, pf, pi, acc, batch, n, n_split,
+            BLOCK_B=block_b, S_PAD=next_pow2(n_split), OUT_PAD=out_pad, num_warps=num_warps,
+        )
+    return tokens, num_emitted
