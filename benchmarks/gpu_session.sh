@@ -66,7 +66,7 @@ for _ in range(240):
       ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
     echo "bench rc=$?"; tail -n 40 "$OUT/bench.log" ;;
   kernels)
-    for k in attention ops; do
+    for k in attention ops rejection; do
       [ -f benchmarks/kernel_${k}_bench.py ] || continue
       timeout 100 python3 benchmarks/kernel_${k}_bench.py --out "$OUT/kernel_$k.json" > "$OUT/kernel_$k.log" 2>&1
       echo "kernel $k rc=$?"; tail -n 30 "$OUT/kernel_$k.log"

@@ -84,6 +84,24 @@ def test_graph_steps_match_eager_sampled(target, drafter, prompts):
     assert llm.engine.runner.graphs.stats["draft"] > 0 and st.num_accepted > 0
 
 
+def test_fused_standard_verification_matches_the_torch_path(target, drafter, prompts):
+    """The triton backend verifies probabilistic drafts with the fused kernel (kernels/rejection.py),
+    the torch backend with verify_probabilistic: seeded temperature-1 requests emit the same tokens
+    with the same acceptance counts (same Philox keys; fp32 logits agree to rounding)."""
+    kw = {"speculative_config": {"model": str(drafter), "draft_sample_method": "probabilistic"}}
+    params = [SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=i) for i in range(3)]
+    got, llm = _run(target, prompts, params, False, **kw)
+    from dspark.kernels.rejection import verify_standard_triton
+
+    assert llm.engine.runner._verify_standard is verify_standard_triton
+    ref = LLM(str(target), device="cpu", block_size=4, num_kv_blocks=64, attention_backend="torch", max_num_seqs=3,
+              **kw)
+    want = [o.token_ids for o in ref.generate(prompts, params)]
+    assert got == want
+    st, ref_st = llm.engine.spec_stats, ref.engine.spec_stats
+    assert (st.num_drafts, st.num_accepted) == (ref_st.num_drafts, ref_st.num_accepted) and st.num_accepted > 0
+
+
 def test_graph_steps_match_eager_mixed_batch(target, drafter, prompts):
     """Greedy, seeded temperature-1 and a repetition-penalty request (which decodes without drafts,
     one real row in the verification graph) in the same steps: the general graph path."""
