@@ -65,7 +65,8 @@ def main() -> int:
             verify_standard_triton(*args)
         ms_graph = triton.testing.do_bench(graph.replay)
         row = {"batch": B, "drafts": N, "vocab": VOCAB, "rows_differing": bad,
-               "mean_emitted": ref_n.float().mean().item(), "reference_ms": ms_ref, "fused_ms": ms_fused, "fused_graph_ms": ms_graph, "speedup": ms_ref / ms_fused}
+               "mean_emitted": ref_n.float().mean().item(), "reference_ms": ms_ref, "fused_ms": ms_fused,
+               "fused_graph_ms": ms_graph, "speedup": ms_ref / ms_fused}
         rows.append(row)
         print(f"B={B:4d}  differing rows {bad}  reference {ms_ref:.3f} ms  fused {ms_fused:.3f} ms "
               f"(graph {ms_graph:.3f})  {ms_ref / ms_fused:.1f}x", flush=True)
