@@ -1,6 +1,8 @@
 """Where the host time of a graph-replayed step goes: batch-1 generation on random SmolLM2-135M-shaped
 weights (bf16, triton backend, CUDA graphs), plain and with the shipped drafter's shapes, under
-max_model_len 1024 and 8192: tok/s, ms per step, and a cProfile of one run (top functions by own time).
+max_model_len 1024 and 8192, greedy and at temperature 1 (seeded: the general, non-one-sync path):
+tok/s, ms per step, a cProfile of one run (top functions by own time) and, for the temperature-1
+cells, a torch.profiler table of one run (ops and kernels by self CUDA time, with call counts).
 Usage: python benchmarks/gpu_host_profile.py OUT_DIR"""
 
 from __future__ import annotations
@@ -28,12 +30,15 @@ smol = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidde
             tie_word_embeddings=True, initializer_range=0.02)
 target = write_tiny_checkpoint(Path(tempfile.mkdtemp()) / "smol", "llama", seed=1, **smol)
 res = {}
-p = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
 prompt = [[7] * 200]
-for name, max_len, spec in (("plain-1024", 1024, False), ("plain-8192", 8192, False), ("dspark-8192", 8192, True)):
+cells = (("plain-1024", 1024, False, 0.0), ("plain-8192", 8192, False, 0.0), ("dspark-8192", 8192, True, 0.0),
+         ("plain-1024-T1", 1024, False, 1.0), ("dspark-1024-T1", 1024, True, 1.0))
+for name, max_len, spec, temp in cells:
+    p = SamplingParams(temperature=temp, max_tokens=256, ignore_eos=True, seed=1 if temp else None)
     kw = dict(device="cuda", dtype="bfloat16", max_model_len=max_len, max_num_seqs=8, attention_backend="triton")
     if spec:
-        kw["speculative_config"] = {"model": str(shipped_drafter("smollm2-135m-instruct"))}
+        kw["speculative_config"] = {"model": str(shipped_drafter("smollm2-135m-instruct")),
+                                    "draft_sample_method": "probabilistic"}
     llm = LLM(str(target), **kw)
     llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     row = {}
@@ -56,6 +61,13 @@ for name, max_len, spec in (("plain-1024", 1024, False), ("plain-8192", 8192, Fa
     buf = io.StringIO()
     pstats.Stats(pr, stream=buf).sort_stats("cumulative").print_stats(40)
     row["profile_cumulative"] = buf.getvalue()[-8000:]
+    if temp:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            llm.generate(prompt, p)
+        row["torch_profile"] = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40)[-9000:]
+        print(row["torch_profile"][-5000:], flush=True)
     res[name] = row
     print(name, json.dumps({k: v for k, v in row.items() if not k.startswith("profile")}), flush=True)
     print(row["profile_tottime"][-3500:], flush=True)
