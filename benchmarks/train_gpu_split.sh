@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Train DSpark drafters for SmolLM2-135M-Instruct (block sizes in RUNS, default 5; "5 7" trains two side
-# by side, each at about half speed) on the H200, split over two device calls (each is limited to 10 minutes; /tmp survives between calls made within
-# the machine's idle window). Usage, run from the repo root with $OUT set:
+# by side, each at about half speed) on the H200, split over two device calls (each is limited to
+# 10 minutes; /tmp survives between calls made within the machine's idle window). Usage, run from the repo root with $OUT set:
 #   call A: bash benchmarks/train_gpu_split.sh gen+train   regenerate data, train both runs until the deadline
 #   call B: bash benchmarks/train_gpu_split.sh train+eval  resume both to the end of their schedules, then τ
 # Needs /tmp/smollm.gguf (benchmarks/gguf_pieces.sh: joined from the pieces carried by earlier calls) and the gguf wheel in .whl/ (call A).
