@@ -68,6 +68,8 @@ def main() -> int:
     g.add_argument("--gen-kv-cache-gb", type=float, default=8.0)
     g.add_argument("--prompt-offset", type=int, default=0,
                    help="skip this many training prompts of the seeded order (prompts an earlier session covered)")
+    g.add_argument("--eval-data", default=None,
+                   help="held-out token file for τ_prob (default: this session's regenerated one)")
     g.add_argument("--gen-passes", type=int, default=1,
                    help="queue the training prompts this many times (new seeds: new responses per pass)")
     g.add_argument("--extra-data", default=None,
@@ -77,6 +79,8 @@ def main() -> int:
                    help="training time the schedule is fitted to (over all calls of a split run)")
     t.add_argument("--stop-after-s", type=float, default=None, help="end this call's training then (checkpoint)")
     t.add_argument("--resume", action="store_true", help="continue RUN's checkpoint in --work")
+    t.add_argument("--init-from", default=None,
+                   help="start from this trained drafter directory (same config), e.g. the shipped one")
     t.add_argument("--restart-steps", type=int, default=None,
                    help="with --resume: a warm restart, a new warm-up + cosine of this many steps (at --lr)")
     t.add_argument("--max-steps", type=int, default=100_000)
@@ -133,19 +137,24 @@ def main() -> int:
 
     # 2. training
     if a.phase in ("all", "train"):
-        if not data.is_file():
-            raise SystemExit(f"{data} is missing: run --phase gen first (in this machine's session)")
+        # this session's regeneration (phase gen) and/or token files brought from earlier sessions
+        files = ([str(data)] if data.is_file() else []) + ([a.extra_data] if a.extra_data else [])
+        if not files:
+            raise SystemExit(f"{data} is missing and no --extra-data: run --phase gen first (in this machine's "
+                             "session) or bring token files")
+        eval_file = a.eval_data or (str(heldout) if heldout.is_file() else None)
         budget = a.train_budget_s
         if a.phase == "all":
             budget = min(budget, a.deadline_s - (time.perf_counter() - T0) - a.eval_reserve_s)
-        train_files = ",".join([str(data)] + ([a.extra_data] if a.extra_data else []))
+        train_files = ",".join(files)
         cfg = TrainConfig(
-            out=str(run_dir), data=train_files, eval_data=str(heldout), model=a.model, block_size=a.block_size,
+            out=str(run_dir), data=train_files, eval_data=eval_file, model=a.model, block_size=a.block_size,
             num_layers=a.num_layers, markov_rank=a.markov_rank,
             target_layer_ids=[int(x) for x in a.target_layer_ids.split(",")] if a.target_layer_ids else None,
             steps=a.max_steps, batch_size=a.batch_size, seq_len=a.seq_len, anchors_per_seq=a.anchors_per_seq,
             lr=a.lr, eval_every=a.eval_every, eval_seqs=a.eval_seqs, save_every=250, log_every=10,
-            device=a.device, resume=a.resume, restart_steps=a.restart_steps, time_budget_s=None if a.resume else budget,
+            device=a.device, resume=a.resume, restart_steps=a.restart_steps, init_from=a.init_from,
+            time_budget_s=None if a.resume else budget,
             stop_after_s=a.stop_after_s, extra={"data_generation": summary.get("generation")})
         trainer = Trainer(cfg, sys.argv)
         log(f"training run {a.run} ({'resumed, ' if a.resume else ''}budget {budget:.0f}s, "

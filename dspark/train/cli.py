@@ -63,6 +63,9 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     o.add_argument("--log-every", type=int, default=10)
     o.add_argument("--save-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     o.add_argument("--resume", action="store_true", help="continue from OUT/trainer_state.pt")
+    o.add_argument("--init-from", default=None,
+                   help="start from this trained drafter directory (same config; e.g. the shipped one) instead of "
+                        "a random init; the optimizer starts fresh")
     o.add_argument("--restart-steps", type=int, default=None,
                    help="with --resume: a warm restart, a new warm-up + cosine schedule of this many steps from the "
                         "checkpoint's weights and optimizer state (at --lr); only on the call that starts it")
@@ -96,7 +99,7 @@ def cmd_train(a: argparse.Namespace) -> int:
         batch_size=a.batch_size, seq_len=a.seq_len, anchors_per_seq=a.anchors_per_seq, lr=a.lr, warmup_frac=a.warmup_frac,
         grad_clip=a.grad_clip, eval_every=a.eval_every, eval_seqs=a.eval_seqs, save_every=a.save_every,
         log_every=a.log_every, seed=a.seed, device=a.device, save_dtype=a.save_dtype, resume=a.resume,
-        restart_steps=a.restart_steps,
+        restart_steps=a.restart_steps, init_from=a.init_from,
         extra={"data_generation": generation},
     )
     final = train(cfg, ["dspark", *sys.argv[1:]])

@@ -70,6 +70,7 @@ class TrainConfig:
     save_dtype: str = "bfloat16"  # dtype of the exported drafter tensors
     resume: bool = False  # continue from out/trainer_state.pt
     restart_steps: int | None = None  # with resume: a warm restart, a new warm-up + cosine of this many steps
+    init_from: str | None = None  # a drafter directory (DeepSpec format, same config) to start from, not random
     extra: dict[str, Any] = field(default_factory=dict)  # recorded as-is (e.g. data generation settings)
 
 
@@ -139,6 +140,8 @@ class Trainer:
         del loaded
         self.target.eval().requires_grad_(False)
         self.drafter: DSparkDrafter = new_drafter(dc, self.target, max_pos, cfg.seed, self.device)
+        if cfg.init_from and not cfg.resume:
+            self._init_from(cfg.init_from, dc)
         self.params = [p for p in self.drafter.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=ADAM_BETAS, eps=ADAM_EPS, weight_decay=0.0)
 
@@ -152,6 +155,26 @@ class Trainer:
         self.total_steps = cfg.steps
         self.schedule = 0  # warm restarts so far: each schedule draws its own batches
         self.log_path = self.out / "train_log.jsonl"
+
+    def _init_from(self, path: str, dc: DrafterConfig) -> None:
+        """Start from a trained drafter's weights (e.g. the shipped one, to go on training it in a later
+        session, whose machine no longer has trainer_state.pt): same architecture and config required;
+        the optimizer starts fresh."""
+        from safetensors.torch import load_file
+
+        p = Path(path)
+        if not (p / "config.json").is_file():
+            raise ValueError(f"init_from {path!r}: no config.json there")
+        theirs = DrafterConfig.from_dict(json.loads((p / "config.json").read_text()))
+        if theirs != dc:
+            diff = {k: (getattr(theirs, k), getattr(dc, k)) for k in asdict(dc)
+                    if getattr(theirs, k) != getattr(dc, k)}
+            raise ValueError(f"init_from {path!r}: its config differs from this run's (theirs, ours): {diff}")
+        sd: dict[str, torch.Tensor] = {}
+        for f in sorted(p.glob("*.safetensors")):
+            sd.update(load_file(str(f)))
+        self.drafter.load_state_dict_deepspec(sd, self.target.embed_tokens.weight, self.target.lm_head.weight_t)
+        self.drafter.float().requires_grad_(True)
 
     # ------------------------------------------------------------------ one step
     def _step_generator(self, step: int) -> torch.Generator:

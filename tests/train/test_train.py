@@ -420,6 +420,24 @@ def test_warm_restart_starts_a_new_schedule_from_the_checkpoint(target, token_fi
         Trainer(_cfg(target, token_files, out, eval_data=None, resume=True, restart_steps=0))._resume()
 
 
+def test_init_from_a_trained_drafter(target, token_files, tmp_path):
+    """A later session goes on training a saved drafter (no trainer_state.pt there): same weights at
+    step 0, fresh optimizer; a drafter of another shape is refused with the differing fields."""
+    first = Trainer(_cfg(target, token_files, tmp_path / "a", steps=4, eval_data=None))
+    first.train()
+    again = Trainer(_cfg(target, token_files, tmp_path / "b", steps=2, eval_data=None,
+                         init_from=str(tmp_path / "a" / "drafter")))
+    want, got = drafter_state_dict(first.drafter), drafter_state_dict(again.drafter)
+    assert all(torch.equal(want[k], got[k]) for k in want)  # float32 export: exact
+    assert again.step == 0 and not again.opt.state
+    assert all(p.requires_grad for p in again.params) and len(again.params) == len(first.params)
+    again.train()
+    assert not torch.equal(drafter_state_dict(again.drafter)["fc.weight"], want["fc.weight"])
+    with pytest.raises(ValueError, match="block_size"):
+        Trainer(_cfg(target, token_files, tmp_path / "c", block_size=3, eval_data=None,
+                     init_from=str(tmp_path / "a" / "drafter")))
+
+
 def test_time_budget_refits_the_step_count_from_real_steps(target, token_files, tmp_path, monkeypatch):
     """The planner's estimate is replaced after REPLAN_AT real steps by one from their measured pace; a
     split run (stop_after_s, then resume) keeps the schedule."""
