@@ -1,9 +1,16 @@
 #!/usr/bin/env bash
 # Train DSpark drafters for SmolLM2-135M-Instruct (block sizes in RUNS, default 5; "5 7" trains two side
 # by side, each at about half speed) on the H200, split over two device calls (each is limited to
-# 10 minutes; /tmp survives between calls made within the machine's idle window). Usage, run from the repo root with $OUT set:
+# 10 minutes; /tmp survives between calls made within the machine's idle window). Usage, run from the
+# repo root with $OUT set:
 #   call A: bash benchmarks/train_gpu_split.sh gen+train   regenerate data, train both runs until the deadline
 #   call B: bash benchmarks/train_gpu_split.sh train+eval  resume both to the end of their schedules, then τ
+#   or, instead of call A, on token files brought from earlier sessions (no regeneration):
+#   call A': bash benchmarks/train_gpu_split.sh carried+train   gunzip .model/data/train-*.safetensors.gz
+#            (and heldout-*.safetensors) into /tmp/dspark_data, then go on training the drafter in INIT
+#            (default: the shipped one; INIT=none starts from random weights)
+# Token files in /tmp/dspark_data (carried by any call of this machine's session) are trained on in every
+# training call (--extra-data), and its held-out file is the τ_prob set (--eval-data).
 # Needs /tmp/smollm.gguf (benchmarks/gguf_pieces.sh: joined from the pieces carried by earlier calls) and the gguf wheel in .whl/ (call A).
 # $OUT receives the drafter shards as <run>-<file> plus meta.tar.gz with everything else (the device
 # returns at most 8 files). Environment knobs: GEN_S (regeneration seconds), TRAIN_S (training seconds
@@ -30,12 +37,22 @@ mkdir -p $RES
 # shellcheck disable=SC2206
 COMMON=(--model /tmp/smollm.gguf --out $RES --work /tmp/dspark_train --prompt-source $PROMPTS ${EXTRA:-})
 command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
+CARRIED=/tmp/dspark_data
+mkdir -p $CARRIED
+for f in .model/data/train-*.safetensors.gz; do [ -f "$f" ] && gunzip -c "$f" > "$CARRIED/$(basename "$f" .gz)"; done
+for f in .model/data/heldout-*.safetensors; do [ -f "$f" ] && cp "$f" $CARRIED/; done
+DATA_FLAGS=()
+TRAIN_FILES=$(ls $CARRIED/train-*.safetensors 2>/dev/null | paste -sd, -)
+[ -n "$TRAIN_FILES" ] && DATA_FLAGS+=(--extra-data "$TRAIN_FILES")
+HELDOUT=$(ls $CARRIED/heldout-*.safetensors 2>/dev/null | head -n 1)
+[ -n "$HELDOUT" ] && DATA_FLAGS+=(--eval-data "$HELDOUT")
+echo "carried token files: ${TRAIN_FILES:-none}; held-out: ${HELDOUT:-the one regenerated here}"
 
 train_all() {  # $1: extra flags, $2: seconds kept after training; runs stop by the call's deadline
   local stop=$((DEADLINE_S - SECONDS - 40 - $2))
   for b in $RUNS; do
     python3 benchmarks/train_gpu.py "${COMMON[@]}" --phase train --run b$b --block-size $b \
-      --train-budget-s "$TRAIN_S" --stop-after-s $stop $1 > $RES/train_b$b.$MODE.log 2>&1 &
+      --train-budget-s "$TRAIN_S" --stop-after-s $stop "${DATA_FLAGS[@]}" $1 > $RES/train_b$b.$MODE.log 2>&1 &
   done
   wait
   tail -n 3 $RES/train_b*.$MODE.log
@@ -45,6 +62,10 @@ if [ "$MODE" = gen+train ]; then
   python3 benchmarks/train_gpu.py "${COMMON[@]}" --phase gen --gen-budget-s "$GEN_S" \
     --gen-max-num-seqs ${GEN_SEQS:-512} --gen-kv-cache-gb ${GEN_KV_GB:-16} 2>&1 | tee $RES/gen.log
   train_all "" 0
+elif [ "$MODE" = carried+train ]; then
+  [ -n "$TRAIN_FILES" ] || { echo "carried+train: no .model/data/train-*.safetensors.gz carried"; exit 1; }
+  INIT=${INIT:-dspark/drafters/smollm2-135m-instruct}
+  if [ "$INIT" = none ]; then train_all "" 0; else train_all "--init-from $INIT" 0; fi
 else
   train_all --resume 120
   for b in $RUNS; do
