@@ -140,8 +140,8 @@ class Trainer:
         del loaded
         self.target.eval().requires_grad_(False)
         self.drafter: DSparkDrafter = new_drafter(dc, self.target, max_pos, cfg.seed, self.device)
-        if cfg.init_from and not cfg.resume:
-            self._init_from(cfg.init_from, dc)
+        if cfg.init_from and not (cfg.resume and (self.out / "trainer_state.pt").is_file()):
+            self._init_from(cfg.init_from, dc)  # a resumed run continues from its own checkpoint instead
         self.params = [p for p in self.drafter.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=ADAM_BETAS, eps=ADAM_EPS, weight_decay=0.0)
 
