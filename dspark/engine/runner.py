@@ -14,7 +14,6 @@ One step:
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -102,11 +101,11 @@ class ModelRunner:
                 self.proposer.use_triton = config.resolved_attention_backend == "triton"
         # Probabilistic "standard" verification: with the triton backend one fused kernel
         # (kernels/rejection.py: same keys, same tokens) instead of ~60 torch ops and two Philox draws.
-        self._verify_standard = functools.partial(verify_probabilistic, method="standard")
+        self._fused_verify = None
         if config.resolved_attention_backend == "triton":
             from dspark.kernels.rejection import verify_standard_triton
 
-            self._verify_standard = verify_standard_triton
+            self._fused_verify = verify_standard_triton
         if self.device.type == "cpu":  # spread one-row products over the cores (layers/linear.py)
             use_cpu_split_k(self.model)
             drafter = getattr(self.proposer, "drafter", None)  # DSparkProposer's; test proposers have none
@@ -395,6 +394,19 @@ class ModelRunner:
             result.new_tokens[r.request_id] = read[j][:n_emit]
             result.verified[r.request_id] = (nd[j], n_emit - 1)
             self.draft_probs.pop(r.request_id, None)
+
+    def _verify_standard(self, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Standard verification through the fused kernel when there is one; if it fails (a Triton
+        compile error on a GPU it was never run on), warn once and stay on the torch path, which gives
+        the same tokens."""
+        if self._fused_verify is not None:
+            try:
+                return self._fused_verify(*args)
+            except Exception as e:  # noqa: BLE001 (any compile/launch failure: the torch path is equivalent)
+                logger.warning("fused verification kernel failed (%s: %s); verifying with torch ops from now on",
+                               type(e).__name__, e)
+                self._fused_verify = None
+        return verify_probabilistic(*args, method="standard")
 
     def _logprobs(self, sampling, logits: torch.Tensor, offset: dict[int, int], result: StepResult) -> None:
         want = [(b, s) for b, s in sampling if s.request.params.logprobs is not None]

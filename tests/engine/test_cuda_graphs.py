@@ -93,13 +93,35 @@ def test_fused_standard_verification_matches_the_torch_path(target, drafter, pro
     got, llm = _run(target, prompts, params, False, **kw)
     from dspark.kernels.rejection import verify_standard_triton
 
-    assert llm.engine.runner._verify_standard is verify_standard_triton
+    assert llm.engine.runner._fused_verify is verify_standard_triton
     ref = LLM(str(target), device="cpu", block_size=4, num_kv_blocks=64, attention_backend="torch", max_num_seqs=3,
               **kw)
     want = [o.token_ids for o in ref.generate(prompts, params)]
     assert got == want
     st, ref_st = llm.engine.spec_stats, ref.engine.spec_stats
     assert (st.num_drafts, st.num_accepted) == (ref_st.num_drafts, ref_st.num_accepted) and st.num_accepted > 0
+
+
+def test_failing_fused_verification_falls_back_to_torch(target, drafter, prompts, caplog):
+    """A fused kernel that fails (say, a compile error on an untested GPU) is dropped with one warning;
+    verification goes on with torch ops and the same tokens."""
+    kw = {"speculative_config": {"model": str(drafter), "draft_sample_method": "probabilistic"}}
+    params = [SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=i) for i in range(3)]
+    mk = lambda: LLM(str(target), device="cpu", block_size=4, num_kv_blocks=64, attention_backend="torch",  # noqa: E731
+                     max_num_seqs=3, **kw)
+    want = [o.token_ids for o in mk().generate(prompts, params)]
+    llm = mk()
+    calls = []
+
+    def broken(*args):
+        calls.append(1)
+        raise RuntimeError("no such instruction")
+
+    llm.engine.runner._fused_verify = broken
+    with caplog.at_level("WARNING"):
+        got = [o.token_ids for o in llm.generate(prompts, params)]
+    assert got == want and calls == [1] and llm.engine.runner._fused_verify is None
+    assert "fused verification kernel failed (RuntimeError: no such instruction)" in caplog.text
 
 
 def test_graph_steps_match_eager_mixed_batch(target, drafter, prompts):
