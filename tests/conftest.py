@@ -14,6 +14,19 @@ from dspark.sampling_params import SamplingParams
 TINY_ARCHS = ("llama", "qwen2", "qwen3")
 
 
+def _single_thread():
+    """torch on one intra-op thread, restored afterwards. Tiny tensors gain nothing from threads, and
+    on a shared 2-core machine threads contending with other jobs stalled steps ~70x (OpenMP barriers)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+one_thread = pytest.fixture(_single_thread, name="one_thread")  # one test
+one_thread_module = pytest.fixture(_single_thread, scope="module", name="one_thread_module")  # a whole module
+
+
 def write_tiny_checkpoint(path: Path, arch: str, seed: int = 0, **overrides) -> Path:
     import transformers
 

@@ -32,16 +32,8 @@ pytestmark = [
     pytest.mark.skipif(not interpreter_ready(), reason="Triton interpreter not active in this process"),
     # log(0) = -inf is intended (tokens outside the support); numpy warns about it in the interpreter.
     pytest.mark.filterwarnings("ignore:divide by zero encountered in log:RuntimeWarning"),
+    pytest.mark.usefixtures("one_thread_module"),  # tiny tensors: intra-op threads only add overhead
 ]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: intra-op threads only add overhead."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 # ------------------------------------------------------------------------------------------- inputs

@@ -23,13 +23,7 @@ from dspark.spec.rejection import verify_greedy, verify_probabilistic
 
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: intra-op threads only add overhead (and stalls on a busy machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread_module")  # tiny tensors: threads only add overhead
 
 
 ALPHA = 1e-3  # fixed significance of every chi-square test below

@@ -34,14 +34,7 @@ MASK = 3
 TAPS = [0, 2]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The tiny shapes here gain nothing from threads, and on a shared 2-core machine intra-op
-    threads contending with other jobs made each training step ~70x slower."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread_module")  # ~70x slower steps with contended threads
 
 
 # ---------------------------------------------------------------------------------------- losses
