@@ -34,14 +34,14 @@ class IncrementalDetokenizer:
         r = self.request
         if self.tokenizer is None:
             return None
-        ids = r.token_ids
+        ids, end = r.token_ids, r.num_real_tokens  # pending placeholders past ``end`` are not tokens yet
         before = len(r.output_text)
         prefix_text = self._decode(ids[self.prefix_offset:self.read_offset])
-        new_text = self._decode(ids[self.prefix_offset:])
+        new_text = self._decode(ids[self.prefix_offset:end])
         if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
             r.output_text += new_text[len(prefix_text):]
             self.prefix_offset = self.read_offset
-            self.read_offset = len(ids)
+            self.read_offset = end
         if not self.stop or len(r.output_text) == before:
             return None
         search_from = max(0, before - self.max_stop_len + 1)

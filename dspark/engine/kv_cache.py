@@ -189,7 +189,8 @@ class KVCacheManager:
             return
         bs = self.block_size
         tokens = request.token_ids
-        num_full = min(request.num_computed_tokens, len(tokens)) // bs
+        # Never past a pending placeholder (async scheduling): its token is not known yet.
+        num_full = min(request.num_computed_tokens, request.num_real_tokens) // bs
         while len(rb.hashes) < num_full:
             i = len(rb.hashes)
             chunk = tuple(tokens[i * bs:(i + 1) * bs])

@@ -7,6 +7,11 @@ Token bookkeeping (positions are absolute, 0-based):
                                             (the rest of the prompt, or the last sampled token)
     token_ids + spec_token_ids      what a step may schedule: drafts ride after the real tokens
 
+With async scheduling (engine/llm_engine.py) the last ``num_pending`` entries of token_ids are
+placeholders (PENDING_TOKEN): tokens of steps already launched on the GPU whose values the host has
+not read back yet. They count in ``num_tokens`` (so the next step is scheduled at the right position)
+but not in the output views (``output_token_ids``, ``num_output_tokens``, ``num_real_tokens``).
+
 Only committed KV is ever hashed into the prefix cache, so positions written for drafts that were
 later rejected can be rolled back by lowering num_computed_tokens.
 """
@@ -18,6 +23,9 @@ import time
 from dataclasses import dataclass, field
 
 from dspark.sampling_params import SamplingParams
+
+
+PENDING_TOKEN = -1  # a placeholder in Request.token_ids for a token still on the GPU
 
 
 class RequestStatus(enum.Enum):
@@ -72,6 +80,7 @@ class Request:
         self.token_ids: list[int] = list(prompt_token_ids)  # prompt + output
         self.spec_token_ids: list[int] = []  # drafts to verify in the next step
         self.num_computed_tokens = 0
+        self.num_pending = 0  # trailing placeholders in token_ids (async scheduling, see the module docstring)
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None  # "stop" | "length" | "abort"
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
@@ -86,15 +95,39 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
+        """Known and pending tokens: the next step computes position num_tokens - 1 onwards."""
         return len(self.token_ids)
 
     @property
+    def num_real_tokens(self) -> int:
+        """Tokens whose values the host knows (num_tokens without the pending placeholders)."""
+        return len(self.token_ids) - self.num_pending
+
+    @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - len(self.prompt_token_ids)
+        return self.num_real_tokens - len(self.prompt_token_ids)
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_token_ids):]
+        return self.token_ids[len(self.prompt_token_ids):self.num_real_tokens]
+
+    # ---------------------------------------------------------------- async scheduling
+    def append_pending(self) -> None:
+        """A step that will emit one token for this request was launched: hold its place."""
+        self.token_ids.append(PENDING_TOKEN)
+        self.num_pending += 1
+
+    def resolve_pending(self, token: int) -> None:
+        """The oldest pending token was read back: put its value in its place."""
+        assert self.num_pending > 0, "no pending token to resolve"
+        self.token_ids[len(self.token_ids) - self.num_pending] = token
+        self.num_pending -= 1
+
+    def drop_pending(self) -> None:
+        """Forget the pending placeholders (the request ended; their steps' results are discarded)."""
+        if self.num_pending:
+            del self.token_ids[len(self.token_ids) - self.num_pending:]
+            self.num_pending = 0
 
     @property
     def num_tokens_with_spec(self) -> int:

@@ -180,6 +180,6 @@ class Scheduler:
             return "stop", token
         if token in p.stop_token_ids:
             return "stop", token
-        if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.config.max_model_len:
+        if req.num_output_tokens >= p.max_tokens or req.num_real_tokens >= self.config.max_model_len:
             return "length", None
         return None
