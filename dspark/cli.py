@@ -42,6 +42,9 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs: run every step eagerly (graphs are captured at start-up on CUDA with the "
                         "triton attention backend)")
+    p.add_argument("--no-async-scheduling", action="store_true",
+                   help="wait for each step's tokens before scheduling the next one (by default, with CUDA graphs "
+                        "and no speculation, step t+1 is launched before step t's tokens are read back)")
 
 
 def _engine_kwargs(a: argparse.Namespace) -> dict:
@@ -49,6 +52,7 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
         device=a.device, dtype=a.dtype, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
         kv_cache_memory_gb=a.kv_cache_memory_gb, enable_prefix_caching=not a.no_prefix_caching, seed=a.seed,
         attention_backend=a.attention_backend, enforce_eager=a.enforce_eager, batch_invariant=a.batch_invariant,
+        async_scheduling=not a.no_async_scheduling,
     )
     if a.max_model_len is not None:
         kw["max_model_len"] = a.max_model_len

@@ -40,6 +40,7 @@ def run_header(benchmark: str, engine, device: str) -> dict:
         "transformers": transformers.__version__,
         "attention_backend": cfg.resolved_attention_backend,
         "enforce_eager": cfg.enforce_eager,
+        "async_scheduling": cfg.async_scheduling,
         "enable_prefix_caching": cfg.enable_prefix_caching,
     }
 

@@ -126,9 +126,16 @@ class StepGraphs:
         self.flags = torch.zeros(Tm + Bm, dtype=torch.bool, device=dev)
         self.seq_lens = torch.zeros(Bm, dtype=torch.int32, device=dev)
         self.block_tables = torch.zeros(Bm, self.width, **i64)
-        self._pinned = [torch.zeros(t.shape, dtype=t.dtype, pin_memory=pin)
-                        for t in (self.ints, self.floats, self.flags, self.seq_lens, self.block_tables)]
-        self._hi, self._hf, self._hb, self._hs, self._ht = (t.numpy() for t in self._pinned)
+        # Two sets of host twins, used in turn by ``flip``: with async scheduling the host fills step t+1's
+        # inputs while step t's copy from the other set may still be queued on the device.
+        self._pinned_sets = [[torch.zeros(t.shape, dtype=t.dtype, pin_memory=pin)
+                              for t in (self.ints, self.floats, self.flags, self.seq_lens, self.block_tables)]
+                             for _ in range(2)]
+        self._views = [tuple(t.numpy() for t in ts) for ts in self._pinned_sets]
+        # The emitted tokens of an asynchronously launched step, read back through pinned memory (two, in turn).
+        self._token_host = [torch.zeros(Bm, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._set = 0
+        self._use_set(0)
         self.input_ids, self.positions, self.slot_mapping = (self.ints[i * Tm:(i + 1) * Tm] for i in range(3))
         (self.anchors, self.anchor_pos, top_k, seeds, self.num_drafts,
          self.num_tokens) = (self.ints[3 * Tm + i * Bm:3 * Tm + (i + 1) * Bm] for i in range(6))
@@ -156,7 +163,19 @@ class StepGraphs:
         self.target: dict[tuple[int, int], _Captured] = {}
         self.draft: dict[tuple[int, int, bool], _Captured] = {}
         self.pool = None
-        self.stats = {"target": 0, "draft": 0, "one_sync": 0}  # replays; steps on the runner's one-sync path
+        # replays; steps on the runner's one-sync path; steps launched before the previous one was read back
+        self.stats = {"target": 0, "draft": 0, "one_sync": 0, "async": 0}
+
+    def _use_set(self, k: int) -> None:
+        self._set = k
+        self._pinned = self._pinned_sets[k]
+        self._hi, self._hf, self._hb, self._hs, self._ht = self._views[k]
+
+    def flip(self) -> torch.Tensor:
+        """Switch to the other set of pinned host buffers (async scheduling: the set of step t - 1,
+        whose copies are done since its tokens were read back) and return that set's token buffer."""
+        self._use_set(self._set ^ 1)
+        return self._token_host[self._set]
 
     # ------------------------------------------------------------------ the fixed-shape steps
     def _target_step(self, B: int, bucket: int) -> tuple:

@@ -109,6 +109,7 @@ class LLMEngine:
         self._sent: dict[str, tuple[int, int]] = {}  # request id -> (chars, tokens) already reported
         self._seed_rng = random.Random(cfg.seed)
         self._aborted: list[Request] = []
+        self._inflight = None  # (SchedulerOutput, runner.InflightStep): a launched step not yet read back
         self._counter = 0
 
     # ---------------------------------------------------------------- requests
@@ -175,28 +176,72 @@ class LLMEngine:
 
     # ---------------------------------------------------------------- one step
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; return an output for every request that produced something or ended."""
+        """Run one engine step; return an output for every request that produced something or ended.
+
+        Async scheduling (``EngineConfig.async_scheduling``, decode steps on CUDA graphs without
+        speculation): a step is *launched* on the device and its tokens are read back by the next
+        ``step()`` call, after that call has already launched the step after it (``_step_async``). The
+        host's bookkeeping of step t (read-back, stop checks, detokenization, outputs, scheduling)
+        thus overlaps the GPU's step t + 1, and outputs come one call later."""
+        if self._inflight is not None:
+            return self._step_async()
         sched = self.scheduler.schedule()
         touched: dict[str, Request] = {r.request_id: r for r in sched.finished}
-        if sched.scheduled:
+        if sched.scheduled and self._launchable(sched):
+            self._launch(sched, None)
+        elif sched.scheduled:
             result = self.runner.execute(sched, self.kv)
             self.scheduler.update(sched, result.new_tokens)
-            self._record_spec(result)
-            for rid in result.new_tokens:
-                req = self.requests[rid]
-                touched[rid] = req
-                if req.logprobs is not None and rid in result.logprobs:
-                    req.logprobs.extend(result.logprobs[rid])
-                try:
-                    stop = self._detok[rid].update()
-                except Exception as e:  # one request's failure must not fail the batch
-                    req.stop_reason = f"detokenization failed: {e}"
-                    self.scheduler.finish(req, "error", req.stop_reason)
-                    continue
-                if stop is not None and not req.is_finished:
-                    self.scheduler.finish(req, "stop", stop)
-                elif stop is not None:  # finished on a token in the same step; the string came first
-                    req.finish_reason, req.stop_reason = "stop", stop
+            self._apply(result, [self.requests[rid] for rid in result.new_tokens], touched)
+        return self._outputs(touched)
+
+    def _launchable(self, sched) -> bool:
+        return (not sched.preempted and all(s.num_tokens == 1 and not s.num_spec_tokens and s.samples
+                                            for s in sched.scheduled)
+                and self.runner.can_launch_async([s.request for s in sched.scheduled]))
+
+    def _launch(self, sched, prev) -> None:
+        self._inflight = (sched, self.runner.launch(sched, self.kv, prev))
+        self.scheduler.launched(sched)
+
+    def _step_async(self) -> list[RequestOutput]:
+        """With step t in flight: launch step t + 1 for the same requests if the scheduler can tell
+        now what it will be (Scheduler.can_continue), then read back step t and apply it."""
+        sched, step = self._inflight
+        self._inflight = None
+        if self.scheduler.can_continue(sched) and self.runner.can_launch_async([s.request for s in sched.scheduled]):
+            nxt = self.scheduler.schedule()
+            assert [s.request for s in nxt.scheduled] == [s.request for s in sched.scheduled] and self._launchable(nxt)
+            self._launch(nxt, step)
+        result = self.runner.finish(step)
+        touched: dict[str, Request] = {}
+        self._apply(result, self.scheduler.update_async(sched, result.new_tokens), touched)
+        if self._inflight is not None and all(s.request.is_finished for s in self._inflight[0].scheduled):
+            self.runner.finish(self._inflight[1])  # every request of the next step has ended: drop it
+            self._inflight = None
+        return self._outputs(touched)
+
+    def _apply(self, result, reqs: list[Request], touched: dict[str, Request]) -> None:
+        """After the scheduler took a step's tokens: logprobs, detokenization and stop strings for the
+        requests ``reqs`` that got tokens."""
+        self._record_spec(result)
+        for req in reqs:
+            rid = req.request_id
+            touched[rid] = req
+            if req.logprobs is not None and rid in result.logprobs:
+                req.logprobs.extend(result.logprobs[rid])
+            try:
+                stop = self._detok[rid].update()
+            except Exception as e:  # one request's failure must not fail the batch
+                req.stop_reason = f"detokenization failed: {e}"
+                self.scheduler.finish(req, "error", req.stop_reason)
+                continue
+            if stop is not None and not req.is_finished:
+                self.scheduler.finish(req, "stop", stop)
+            elif stop is not None:  # finished on a token in the same step; the string came first
+                req.finish_reason, req.stop_reason = "stop", stop
+
+    def _outputs(self, touched: dict[str, Request]) -> list[RequestOutput]:
         for req in self._aborted:  # aborted requests are reported once too
             touched.setdefault(req.request_id, req)
         self._aborted.clear()

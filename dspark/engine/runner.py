@@ -46,6 +46,17 @@ class StepResult:
     verify_time_s: float = 0.0
 
 
+@dataclass
+class InflightStep:
+    """A decode step launched on the device whose tokens the host has not read yet (async scheduling)."""
+    scheduled: list  # the ScheduledRequests, in batch order
+    tokens: torch.Tensor  # [B] int64 on the device: the emitted tokens (the next step's input ids)
+    host: torch.Tensor  # [B] pinned host copy of ``tokens``, valid once ``done`` has completed
+    done: torch.cuda.Event | None  # recorded after the copy (None on a CPU: everything ran synchronously)
+    timing: list | None  # CUDA events around the target step
+    t0: float
+
+
 def make_attention_backend(name: str, device: torch.device, batch_invariant: bool = False):
     """The attention backend named by EngineConfig.resolved_attention_backend. Triton is imported only
     when asked for."""
@@ -322,6 +333,66 @@ class ModelRunner:
             result.draft_time_s = ev[1].elapsed_time(ev[2]) / 1e3
         else:
             result.verify_time_s = time.perf_counter() - t0
+        return result
+
+    # ------------------------------------------------------------------ async scheduling
+    def can_launch_async(self, requests: list[Request]) -> bool:
+        """Whether a decode step of these requests can run as ``launch`` / ``finish`` (CUDA graphs, no
+        speculation, every request greedy with nothing but the argmax needed from its logits)."""
+        return (self.config.async_scheduling and self.graphs is not None and self.proposer is None
+                and 0 < len(requests) <= self.graphs.max_batch and all(_greedy_plain(r.params) for r in requests))
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput, kv: KVCacheManager, prev: InflightStep | None) -> InflightStep:
+        """Queue a decode step (one row per request) on the device and return without waiting for it.
+        ``prev``: the step still in flight whose emitted tokens are this step's inputs, batch row for
+        batch row (the engine launches a step on top of another only for the very same requests, each
+        holding one pending placeholder); they are copied on the device, never through the host."""
+        t0 = time.perf_counter()
+        G = self.graphs
+        scheduled = sched.scheduled
+        B = len(scheduled)
+        host = G.flip()[:B]
+        ids, starts, tables = [], [], []
+        for s in scheduled:
+            r = s.request
+            assert s.num_tokens == 1 and not s.num_spec_tokens, "launch runs decode rows only"
+            ids.append(r.token_ids[r.num_computed_tokens])
+            starts.append(r.num_computed_tokens)
+            tables.append(kv.block_ids(r.request_id))
+        if prev is None:
+            assert min(ids) >= 0, "a pending input token needs the step that emits it"
+        else:
+            assert len(prev.scheduled) == B and all(a.request is b.request for a, b in zip(prev.scheduled, scheduled))
+        Bg, bucket = G.prepare_target(scheduled, ids, starts, tables)
+        G.upload(Bg, drafter=False)
+        if prev is not None:  # after the upload in stream order: overwrites the placeholders
+            G.input_ids[:B].copy_(prev.tokens)
+        timing = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if self.device.type == "cuda" else None
+        if timing:
+            timing[0].record()
+        tokens = G.replay_target(Bg, bucket)[:B, 0].argmax(dim=-1)  # [B]
+        if timing:
+            timing[1].record()
+        host.copy_(tokens, non_blocking=True)
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        G.stats["async"] += 1
+        return InflightStep(list(scheduled), tokens, host, done, timing, t0)
+
+    def finish(self, step: InflightStep) -> StepResult:
+        """Wait for a launched step (only for it: a step queued after it keeps running) and return its
+        tokens. The timing is the target step's GPU time (CUDA events), or wall time on a CPU."""
+        if step.done is not None:
+            step.done.synchronize()
+        toks = step.host.tolist()
+        result = StepResult({s.request.request_id: [t] for s, t in zip(step.scheduled, toks)})
+        if step.timing:
+            result.verify_time_s = step.timing[0].elapsed_time(step.timing[1]) / 1e3
+        else:
+            result.verify_time_s = time.perf_counter() - step.t0
         return result
 
     def _num_drafts(self, r: Request, num_emitted: int) -> int:

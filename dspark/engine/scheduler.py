@@ -66,6 +66,7 @@ class Scheduler:
         else:
             self.waiting.remove(request)
         self.kv.free(request)
+        request.drop_pending()  # steps still in flight for it are discarded
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.stop_reason = stop_reason
@@ -173,6 +174,56 @@ class Scheduler:
                     break
             self.kv.commit(req)  # after appending: accepted drafts are committed tokens now
         return finished
+
+    # ---------------------------------------------------------------- async scheduling
+    def can_continue(self, out: SchedulerOutput) -> bool:
+        """Whether the next ``schedule()`` gives every request of ``out`` (a decode step in flight, each
+        request holding one pending placeholder) exactly one more decode row, in the same order, and
+        nothing else: no request waits for admission, none is known to end with the pending token
+        (max_tokens, max_model_len; a stop token or string is only known later, and then the next
+        step's row is discarded), and the KV pool has the blocks without preempting. No side effects."""
+        if self.waiting or len(self.running) != len(out.scheduled):
+            return False
+        if len(out.scheduled) > self.config.max_num_batched_tokens:
+            return False
+        need = 0
+        for s, req in zip(out.scheduled, self.running):
+            if s.request is not req or req.spec_token_ids:
+                return False
+            if (req.num_output_tokens + req.num_pending >= req.params.max_tokens
+                    or req.num_tokens >= self.config.max_model_len):
+                return False
+            need += max(0, self.kv.blocks_needed(req.num_computed_tokens + 1 + self.num_lookahead_tokens)
+                        - len(self.kv.block_ids(req.request_id)))
+        return need <= self.kv.num_free_blocks
+
+    def launched(self, out: SchedulerOutput) -> None:
+        """A decode step was launched without waiting for the previous one's tokens: its rows count as
+        computed and its tokens as pending placeholders until ``update_async`` puts their values in."""
+        for s in out.scheduled:
+            s.request.num_computed_tokens += s.num_tokens
+            s.request.append_pending()
+
+    def update_async(self, out: SchedulerOutput, new_tokens: dict[str, list[int]]) -> list[Request]:
+        """``update`` for a step that went through ``launched``: each request's oldest placeholder gets
+        its value. Requests that ended meanwhile (a stop in an earlier step, an abort) are skipped.
+        Returns the requests that got their token (some may have finished on it)."""
+        applied: list[Request] = []
+        for s in out.scheduled:
+            req = s.request
+            if req.is_finished:
+                continue
+            (tok,) = new_tokens[req.request_id]
+            req.resolve_pending(tok)
+            applied.append(req)
+            if req.stats.first_token_time is None:
+                req.stats.first_token_time = time.perf_counter()
+            reason = self._check_stop(req, tok)
+            if reason is not None:
+                self.finish(req, *reason)
+            else:
+                self.kv.commit(req)
+        return applied
 
     def _check_stop(self, req: Request, token: int) -> tuple[str, int | None] | None:
         p = req.params

@@ -134,7 +134,7 @@ def build_engine(args: argparse.Namespace, log: logging.Logger) -> Any:
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
         attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
-        batch_invariant=args.batch_invariant,
+        batch_invariant=args.batch_invariant, async_scheduling=not args.no_async_scheduling,
     )
     if args.max_model_len is not None:
         kw["max_model_len"] = args.max_model_len

@@ -55,9 +55,14 @@ def _run(target, prompts, params, graphs: bool, **kw):
     return [o.token_ids for o in outs], llm
 
 
-@pytest.mark.parametrize("spec", [False, True], ids=["plain", "dspark"])
-def test_graph_steps_match_eager_greedy(target, drafter, prompts, spec):
+@pytest.mark.parametrize("mode", ["plain", "plain-sync", "dspark"])
+def test_graph_steps_match_eager_greedy(target, drafter, prompts, mode):
+    """plain: decode steps launched asynchronously (engine async scheduling, the default with graphs);
+    plain-sync: the one-sync path without it; dspark: greedy verification + drafting on the one-sync path."""
+    spec = mode == "dspark"
     kw = {"speculative_config": {"model": str(drafter)}} if spec else {}
+    if mode == "plain-sync":
+        kw["async_scheduling"] = False
     # Different lengths: the batch shrinks 3 -> 2 -> 1 (padded 4, 2, 2) and the longest request
     # crosses from bucket 32 to 64.
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (5, 9, 14)]
@@ -66,7 +71,8 @@ def test_graph_steps_match_eager_greedy(target, drafter, prompts, spec):
     assert got == want
     g = llm.engine.runner.graphs
     assert g.stats["target"] > 0 and (g.stats["draft"] > 0) == spec  # the graph path really ran
-    assert g.stats["one_sync"] == g.stats["target"]  # greedy: verification and drafting inputs on the device
+    # greedy: verification and drafting inputs on the device; every plain step launched asynchronously
+    assert g.stats["async" if mode == "plain" else "one_sync"] == g.stats["target"]
     assert {B for B, _ in g.target} == {2, 4} and {k for _, k in g.target} >= {32, 64}
 
 

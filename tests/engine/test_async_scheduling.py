@@ -1,0 +1,122 @@
+"""Async scheduling (LLMEngine._step_async): decode step t + 1 is launched before step t's tokens are
+read back, its input tokens taken on the device from step t's output. Run on the CPU through the
+fixed-shape graph steps (``enable_graphs(capture=False)``, Triton's interpreter), which is the path
+the launch/finish split runs on. What must hold: the same tokens, finish reasons and streamed deltas
+as without it; requests that stop (stop token, EOS, max_tokens), get aborted or arrive while a step
+is in flight; the KV pool whole afterwards; and the path really taken."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from dspark import LLM, SamplingParams  # noqa: E402
+from dspark.engine.request import PENDING_TOKEN  # noqa: E402
+from tests.conftest import write_tiny_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("async") / "t", "llama", seed=7)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(4, 512, (n,), generator=g).tolist() for n in (3, 9, 26)]
+
+
+def _llm(target, async_: bool, num_kv_blocks: int = 64) -> LLM:
+    llm = LLM(str(target), device="cpu", block_size=4, num_kv_blocks=num_kv_blocks, attention_backend="triton",
+              max_num_seqs=4, async_scheduling=async_)
+    llm.engine.runner.enable_graphs(capture=False, batch_sizes=[2, 4], buckets=[16, 32, 64])
+    return llm
+
+
+def _drive(llm: LLM, requests, events=None) -> tuple[dict, dict, list]:
+    """Step an engine by hand: ``requests`` [(prompt, params)] added at the start, ``events`` {call
+    number: fn(engine)} run before that step() call. Returns ({id: final output}, {id: streamed token
+    ids}, [whether a step was in flight before each call])."""
+    eng = llm.engine
+    ids = [eng.add_request(p, sp) for p, sp in requests]
+    final, streamed, inflight = {}, {}, []
+    n = 0
+    while len(final) < len(ids) or events:
+        if events and n in events:
+            ids.extend(events.pop(n)(eng) or [])
+        inflight.append(eng._inflight is not None)
+        for out in eng.step():
+            assert PENDING_TOKEN not in out.token_ids and PENDING_TOKEN not in out.delta_token_ids
+            streamed.setdefault(out.request_id, []).extend(out.delta_token_ids)
+            assert streamed[out.request_id] == out.token_ids  # deltas add up to the tokens so far
+            if out.finished:
+                assert out.request_id not in final, "a request reported finished twice"
+                final[out.request_id] = out
+        n += 1
+        assert n < 500
+    assert set(final) == set(ids)
+    assert eng.kv.check_integrity()["in_use"] == 0
+    return final, streamed, inflight
+
+
+def _summary(final: dict) -> dict:
+    return {rid: (o.token_ids, o.finish_reason, o.stop_reason) for rid, o in final.items()}
+
+
+def test_stops_match_sync(target, prompts):
+    """Stop tokens hit mid-sequence, EOS, different max_tokens: step t + 1 was already launched for a
+    request that stops at t; its row is dropped and the request ends exactly as without async."""
+    free = _llm(target, False).generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    stops = [o.token_ids[k] for o, k in zip(free, (3, 6, 1))]  # tokens the greedy runs really emit
+    reqs = [(p, SamplingParams(temperature=0, max_tokens=m, stop_token_ids=[s], ignore_eos=False))
+            for p, m, s in zip(prompts, (12, 9, 12), stops)]
+    reqs.append((prompts[0], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)))
+    want, _, _ = _drive(_llm(target, False), reqs)
+    llm = _llm(target, True)
+    got, streamed, inflight = _drive(llm, reqs)
+    assert _summary(got) == _summary(want)
+    assert [o.finish_reason for o in got.values()].count("stop") >= 2
+    g = llm.engine.runner.graphs
+    assert g.stats["async"] > 0 and sum(inflight) >= g.stats["async"] // 2  # steps really overlapped
+    assert llm.engine._inflight is None  # nothing left dangling once every request ended
+
+
+def test_abort_and_arrival_while_in_flight(target, prompts):
+    """A request aborted while its next step is in flight, and one that arrives while a step is in
+    flight: the others' tokens are unchanged, the aborted one reports 'abort' once, no KV leaks."""
+    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    ref = {tuple(p): o.token_ids for p, o in zip(prompts, _llm(target, False).generate(prompts, params))}
+    llm = _llm(target, True)
+    seen = {}
+
+    def abort(eng):
+        seen["inflight_at_abort"] = eng._inflight is not None
+        eng.abort("req-1")
+
+    def arrive(eng):
+        seen["inflight_at_arrival"] = eng._inflight is not None
+        return [eng.add_request(prompts[2], params)]
+
+    final, _, _ = _drive(llm, [(p, params) for p in prompts[:2]], {4: abort, 7: arrive})
+    assert seen == {"inflight_at_abort": True, "inflight_at_arrival": True}
+    assert final["req-1"].finish_reason == "abort" and len(final["req-1"].token_ids) < 14
+    assert final["req-0"].token_ids == ref[tuple(prompts[0])]
+    assert final["req-2"].token_ids == ref[tuple(prompts[2])]
+
+
+def test_kv_pressure_matches_sync(target, prompts):
+    """A pool too small for every request: the scheduler preempts (never while a step is launched on
+    top of another: Scheduler.can_continue refuses when blocks would run out), results unchanged."""
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (20, 16, 12)]
+    reqs = list(zip(prompts, params))
+    want, _, _ = _drive(_llm(target, False, num_kv_blocks=14), reqs)
+    llm = _llm(target, True, num_kv_blocks=14)
+    got, _, _ = _drive(llm, reqs)
+    assert _summary(got) == _summary(want)
+    assert llm.engine.runner.graphs.stats["async"] > 0
+    assert sum(o.stats["num_preemptions"] for o in got.values()) > 0  # the pool really ran short
