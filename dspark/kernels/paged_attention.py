@@ -157,8 +157,42 @@ def _combine_splits_kernel(
 
 
 @triton.jit
+def _combine_in_last_program(part_ptr, lse_ptr, final_ptr, counter_ptr, t, head, row_ok, d, d_ok,
+                             stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_ft, stride_fh,
+                             NUM_SPLITS: tl.constexpr):
+    """The split merge of ``_combine_splits_kernel`` without its launch: every split program of a
+    query chunk, once its slice is stored, counts itself in at ``counter_ptr``; the last one to arrive
+    (it sees NUM_SPLITS - 1 before its increment) merges all slices into the final output and resets
+    the counter to 0 for the next launch. The barrier makes the whole program's stores precede the
+    increment, whose acq_rel semantics publish them to (and order them for) the merging program; the
+    merge reads the slices past L1 (``.cg``) since other SMs wrote them."""
+    tl.debug_barrier()
+    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+    if arrived == NUM_SPLITS - 1:
+        mask = row_ok[:, None] & d_ok[None, :]
+        lse_off = t * stride_lt + head * stride_lh
+        m = tl.full(lse_off.shape, float("-inf"), tl.float32)
+        for s in tl.static_range(NUM_SPLITS):
+            m = tl.maximum(m, tl.load(lse_ptr + lse_off + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg"))
+        m_ref = tl.where(m == float("-inf"), 0.0, m)
+        denom = tl.zeros(lse_off.shape, tl.float32)
+        acc = tl.zeros([lse_off.shape[0], d.shape[0]], tl.float32)
+        part_off = t * stride_ot + head * stride_oh
+        for s in tl.static_range(NUM_SPLITS):
+            w = tl.exp2(tl.load(lse_ptr + lse_off + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg") - m_ref)
+            o = tl.load(part_ptr + (part_off + s * stride_os)[:, None] + d[None, :], mask=mask, other=0.0,
+                        cache_modifier=".cg")
+            denom += w
+            acc += w[:, None] * o
+        o = acc / tl.where(denom == 0.0, 1.0, denom)[:, None]
+        tl.store(final_ptr + (t * stride_ft + head * stride_fh)[:, None] + d[None, :],
+                 o.to(final_ptr.dtype.element_ty), mask=mask)
+        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
 def _paged_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, final_ptr, counter_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     qk_scale, q_programs,
     stride_qt, stride_qh,
@@ -167,12 +201,15 @@ def _paged_attention_kernel(
     stride_bt,
     stride_ot, stride_oh, stride_os,
     stride_lt, stride_lh,
+    stride_ft, stride_fh,
     G: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, FUSE_COMBINE: tl.constexpr, MAX_CHUNKS: tl.constexpr,
 ):
     """Program (b, kv head, split * q_programs + c): query chunks c, c + q_programs, ... of request b
-    (BLOCK_Q query tokens × G heads each), against key slice ``split`` of what the chunk may see."""
+    (BLOCK_Q query tokens × G heads each), against key slice ``split`` of what the chunk may see.
+    FUSE_COMBINE (with several splits): the chunk's last split program also merges the slices into
+    ``final_ptr`` (one counter per (b, kv head, chunk), MAX_CHUNKS chunks per request at most)."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2) % NUM_SPLITS
@@ -216,6 +253,11 @@ def _paged_attention_kernel(
         _store_rows(out_ptr, lse_ptr, t * stride_ot + head * stride_oh + split * stride_os,
                     t * stride_lt + head * stride_lh + split, row_ok, d, d_ok,
                     m_i, l_i, acc, no_sink, NUM_SPLITS)
+        if FUSE_COMBINE:
+            cnt = counter_ptr + (b.to(tl.int64) * tl.num_programs(1) + kvh) * MAX_CHUNKS + c0 // BLOCK_Q
+            _combine_in_last_program(out_ptr, lse_ptr, final_ptr, cnt, t, head, row_ok, d, d_ok,
+                                     stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_ft, stride_fh,
+                                     NUM_SPLITS)
 
 
 @triton.jit
@@ -275,6 +317,7 @@ def paged_attention(
     num_splits: int | None = None,
     block_n: int | None = None,
     block_m: int | None = None,
+    fuse_combine: bool | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's new query rows over its paged K/V -> [T, Hq, D].
@@ -291,6 +334,10 @@ def paged_attention(
     Triton lays the tile out over the warps, and so the order in which a row's softmax max and sum
     are reduced — a one-token decode (16-row tile) and a 1 + N-token verification (32 rows) would
     otherwise round the same row differently.
+
+    With a key split, the slices are merged by the attention launch itself (its last program per
+    query chunk, ``_combine_in_last_program``) when ``max_query_len`` is given (it bounds the chunk
+    counters) and ``fuse_combine`` is not False (default: ``FUSE_COMBINE``); else by a second launch.
     """
     T, Hq, D = q.shape
     _check_cache(k_cache, v_cache)
@@ -315,27 +362,53 @@ def paged_attention(
     q_programs = -(-mq // block_q) if max_query_len is not None else 1
     block_n = block_n or (64 if block_m == 16 else 128)  # bigger query tiles amortise bigger key tiles
     splits = num_splits or default_num_splits(B * Hkv * q_programs, q.device, max_seq_len, block_n)
+    max_chunks = -(-mq // block_q)
+    fuse = False
+    counters = lse = out  # placeholders when unused
     if splits == 1:
-        target, lse = out, out  # lse unused
+        target = out
         so = (out.stride(0), out.stride(1), 0, 0, 0)
     else:
         target = torch.empty(T, Hq, splits, D, dtype=torch.float32, device=q.device)
         lse = torch.empty(T, Hq, splits, dtype=torch.float32, device=q.device)
         so = (target.stride(0), target.stride(1), target.stride(2), lse.stride(0), lse.stride(1))
+        fuse = (FUSE_COMBINE if fuse_combine is None else fuse_combine) and max_query_len is not None
+        if fuse:
+            counters = _counters(B * Hkv * max_chunks, q.device)
+            fuse = counters is not None
     _paged_attention_kernel[(B, Hkv, splits * q_programs)](
-        q, k_cache, v_cache, target, lse, block_tables, seq_lens, query_start_loc,
+        q, k_cache, v_cache, target, lse, out, counters, block_tables, seq_lens, query_start_loc,
         scale * LOG2E, q_programs,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0), *so,
+        block_tables.stride(0), *so, out.stride(0), out.stride(1),
         G=G, PAGE=page, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
         BLOCK_D=next_pow2(D), NUM_SPLITS=splits, DOT_PRECISION=dot_precision(q.dtype),
+        FUSE_COMBINE=fuse, MAX_CHUNKS=max_chunks,
         num_warps=4,
     )
-    if splits > 1:
+    if splits > 1 and not fuse:
         combine_splits(target, lse, out, None)
     return out
+
+
+# The split merge inside the attention launch (one launch per layer instead of two: at batch 1 on an
+# H200 a step is launch-bound, see docs/benchmarks.md). Module-level so benchmarks can compare.
+FUSE_COMBINE = True
+_COUNTER_BUFS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(n: int, device: torch.device) -> torch.Tensor | None:
+    """A zeroed int32 buffer of at least n arrival counters, kept per device and reused by every
+    launch (each launch leaves its counters at 0 again). Grown only outside CUDA graph capture (the
+    graphs' warm-up runs size it); None if it would have to grow during a capture."""
+    buf = _COUNTER_BUFS.get(device)
+    if buf is None or buf.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        buf = _COUNTER_BUFS[device] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+    return buf
 
 
 def write_kv(

@@ -103,6 +103,39 @@ def test_query_chunks_over_several_programs():
 
 
 @pytest.mark.parametrize("name,seq_lens,q_lens", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("heads,head_dim", HEADS, ids=["gqa1", "gqa3"])
+@pytest.mark.parametrize("num_splits", [2, 3])
+def test_split_merge_in_the_attention_launch(name, seq_lens, q_lens, heads, head_dim, num_splits):
+    """With a key split and ``max_query_len``, the last split program of each query chunk merges the
+    slices (no second launch): same output as the two-launch path and the reference, twice in a row
+    (each launch must leave its arrival counters at 0 for the next), and the counters all 0 after."""
+    from dspark.kernels import paged_attention as pa
+
+    b = make_batch(seq_lens, q_lens, heads=heads, head_dim=head_dim, page=4, pad_requests=1)
+    kc, vc = written(b)
+    scale = head_dim**-0.5
+    ref = paged_attention_ref(b.q, kc, vc, b.block_tables, b.seq_lens, b.qsl, scale)
+    kw = dict(max_query_len=max(q_lens), num_splits=num_splits, block_n=16)
+    two = paged_attention(b.q, kc, vc, b.block_tables, b.seq_lens, b.qsl, scale, fuse_combine=False, **kw)
+    for _ in range(2):
+        one = paged_attention(b.q, kc, vc, b.block_tables, b.seq_lens, b.qsl, scale, fuse_combine=True, **kw)
+        torch.testing.assert_close(one, ref, atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(one, two, atol=1e-6, rtol=1e-6)
+    assert int(pa._COUNTER_BUFS[b.q.device].abs().sum()) == 0
+
+
+def test_split_merge_in_the_launch_with_query_chunks():
+    """Several query chunks per request, each merged by its own counter (MAX_CHUNKS > 1), spread over
+    programs by the hint."""
+    b = make_batch([37, 9], [29, 2], heads=(9, 3), head_dim=64, page=16)
+    kc, vc = written(b)
+    ref = paged_attention_ref(b.q, kc, vc, b.block_tables, b.seq_lens, b.qsl, 0.125)
+    out = paged_attention(b.q, kc, vc, b.block_tables, b.seq_lens, b.qsl, 0.125, max_query_len=29, num_splits=3,
+                          block_n=8, fuse_combine=True)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name,seq_lens,q_lens", CASES, ids=[c[0] for c in CASES])
 def test_fixed_query_tile_of_batch_invariant_mode(name, seq_lens, q_lens):
     """block_m fixed at 64 (batch-invariant mode: decode, verification and prefill rows share one tile
     layout) covers every row, however few or many a request has; bad sizes are refused."""
