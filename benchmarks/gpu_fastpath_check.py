@@ -1,0 +1,228 @@
+"""GPU checks and timings of the session-11 fast-path changes, on random weights (no GGUF needed, so it
+runs in the device calls that bring the GGUF pieces).
+Usage: python benchmarks/gpu_fastpath_check.py OUT_DIR [parts]
+
+parts (comma-separated, default all):
+  combine  paged attention with the key-split merge inside the attention launch (last split program
+           merges; kernels/paged_attention.py) vs the two-launch path, bf16, SmolLM2 heads: (1) a race
+           hunt: many launches with fresh random inputs each, eager and replayed in a CUDA graph, every
+           output compared with the two-launch output of the same inputs; (2) µs per launch in a graph
+           of 30 launches (one per layer) at batch 1/8/32, context 512/1k/4k, decode and verify (q=6).
+  lmhead   the fp32 lm_head matmul [B, 576] x [576, 49152] vs bf16 weights with fp32 output
+           (torch.mm(out_dtype=float32), if this torch has it), at batch 1/32, in a graph of 30 reps.
+  engine   SmolLM2-135M shapes (random weights), bf16, greedy, EOS ignored: decode tok/s of the engine
+           end to end at batch 1 (256 tokens) and batch 32 (128 tokens), async scheduling on/off x the
+           merge in the launch on/off; tokens must be identical with async on and off.
+Writes OUT_DIR/fastpath.json and prints a summary.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from dspark.kernels import paged_attention as pa  # noqa: E402
+
+out_dir = Path(sys.argv[1])
+parts = sys.argv[2].split(",") if len(sys.argv) > 2 else ["combine", "lmhead", "engine"]
+out_dir.mkdir(parents=True, exist_ok=True)
+res: dict = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d")}
+dev = torch.device("cuda")
+
+
+def save():
+    (out_dir / "fastpath.json").write_text(json.dumps(res, indent=1))
+
+
+def report(name, row):
+    print(name, json.dumps(row), flush=True)
+
+
+def batch(B, ctx, q, page=16, Hq=9, Hkv=3, D=64, seed=0):
+    """B requests of ctx context tokens (the q new ones included), each on its own blocks."""
+    g = torch.Generator(device=dev).manual_seed(seed)
+    nb = -(-ctx // page)
+    num_blocks = 1 + B * nb
+    kc = torch.randn(num_blocks, page, Hkv, D, device=dev, dtype=torch.bfloat16, generator=g)
+    vc = torch.randn(num_blocks, page, Hkv, D, device=dev, dtype=torch.bfloat16, generator=g)
+    table = (1 + torch.arange(B * nb, device=dev)).view(B, nb)
+    seq_lens = torch.full((B,), ctx, device=dev, dtype=torch.int32)
+    qsl = (torch.arange(B + 1, device=dev) * q).to(torch.int32)
+    qt = torch.randn(B * q, Hq, D, device=dev, dtype=torch.bfloat16, generator=g)
+    return qt, kc, vc, table, seq_lens, qsl
+
+
+def attend(qt, kc, vc, table, seq_lens, qsl, q, bucket, fuse, out=None):
+    return pa.paged_attention(qt, kc, vc, table, seq_lens, qsl, 0.125, max_query_len=q, max_seq_len=bucket,
+                              fuse_combine=fuse, out=out)
+
+
+if "combine" in parts:
+    rows = {}
+    # (1) race hunt
+    worst, n_cmp, bad = 0.0, 0, 0
+    for B, ctx, q in ((1, 1000, 1), (1, 4000, 1), (8, 1000, 6), (32, 700, 1), (32, 3000, 6), (3, 130, 1)):
+        qt, kc, vc, table, seq_lens, qsl = batch(B, ctx, q)
+        bucket = 1 << max(9, (ctx - 1).bit_length())
+        out_f, out_u = torch.empty_like(qt), torch.empty_like(qt)
+        for i in range(150):  # eager, fresh inputs every time
+            qt.normal_()
+            attend(qt, kc, vc, table, seq_lens, qsl, q, bucket, True, out_f)
+            attend(qt, kc, vc, table, seq_lens, qsl, q, bucket, False, out_u)
+            d = (out_f.float() - out_u.float()).abs().max().item()
+            worst, n_cmp, bad = max(worst, d), n_cmp + 1, bad + (d > 0.02)
+        # in a CUDA graph: 30 launches per replay (as 30 layers), fresh q per replay
+        static_q = qt.clone()
+        outs = [torch.empty_like(qt) for _ in range(30)]
+        attend(static_q, kc, vc, table, seq_lens, qsl, q, bucket, True, outs[0])  # warm-up sizes the counters
+        torch.cuda.synchronize()
+        gr = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(gr):
+            for o in outs:
+                attend(static_q, kc, vc, table, seq_lens, qsl, q, bucket, True, o)
+        for i in range(100):
+            static_q.normal_()
+            gr.replay()
+            attend(static_q, kc, vc, table, seq_lens, qsl, q, bucket, False, out_u)
+            d = max((o.float() - out_u.float()).abs().max().item() for o in outs)
+            worst, n_cmp, bad = max(worst, d), n_cmp + 1, bad + (d > 0.02)
+        del gr
+        ref = pa.paged_attention_ref(static_q, kc, vc, table, seq_lens, qsl, 0.125)
+        attend(static_q, kc, vc, table, seq_lens, qsl, q, bucket, True, out_f)
+        rows[f"ref_B{B}_ctx{ctx}_q{q}_maxdiff"] = round((out_f.float() - ref.float()).abs().max().item(), 5)
+    rows["race_hunt"] = {"comparisons": n_cmp, "max_abs_diff_vs_two_launch": worst, "bad(>0.02)": bad,
+                         "counters_zero_after": int(pa._COUNTER_BUFS[dev].abs().sum()) == 0}
+    report("combine/race_hunt", rows["race_hunt"])
+    # (2) timing: µs per launch, 30 launches per graph
+    timing = {}
+    for q in (1, 6):
+        for B in (1, 8, 32):
+            for ctx in (512, 1000, 4000):
+                qt, kc, vc, table, seq_lens, qsl = batch(B, ctx, q)
+                bucket = 1 << max(9, (ctx - 1).bit_length())
+                row = {}
+                for fuse in (False, True):
+                    o = torch.empty_like(qt)
+                    attend(qt, kc, vc, table, seq_lens, qsl, q, bucket, fuse, o)
+                    torch.cuda.synchronize()
+                    gr = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(gr):
+                        for _ in range(30):
+                            attend(qt, kc, vc, table, seq_lens, qsl, q, bucket, fuse, o)
+                    for _ in range(5):
+                        gr.replay()
+                    torch.cuda.synchronize()
+                    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    e0.record()
+                    for _ in range(50):
+                        gr.replay()
+                    e1.record()
+                    torch.cuda.synchronize()
+                    row["fused_us" if fuse else "two_launch_us"] = round(e0.elapsed_time(e1) * 1e3 / 50 / 30, 2)
+                    del gr
+                row["splits"] = pa.default_num_splits(B * 3, dev, bucket, 64 if q == 1 else 128)
+                timing[f"q{q}_B{B}_ctx{ctx}"] = row
+                report(f"combine/q{q}_B{B}_ctx{ctx}", row)
+    rows["timing"] = timing
+    res["combine"] = rows
+    save()
+
+if "lmhead" in parts:
+    rows = {}
+    w32 = torch.randn(576, 49152, device=dev) * 0.02
+    w16 = w32.to(torch.bfloat16)
+    w32 = w16.float()  # the engine's fp32 lm_head is an upcast of bf16 weights
+    for B in (1, 32):
+        h = torch.randn(B, 576, device=dev, dtype=torch.bfloat16)
+        variants = {"fp32": lambda: torch.matmul(h.float(), w32)}
+        try:
+            torch.mm(h, w16, out_dtype=torch.float32)
+            variants["bf16_out_fp32"] = lambda: torch.mm(h, w16, out_dtype=torch.float32)
+        except Exception as e:  # noqa: BLE001
+            rows["out_dtype_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        row = {}
+        for name, fn in variants.items():
+            fn()
+            torch.cuda.synchronize()
+            gr = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(gr):
+                for _ in range(30):
+                    y = fn()
+            gr.replay()
+            torch.cuda.synchronize()
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            for _ in range(20):
+                gr.replay()
+            e1.record()
+            torch.cuda.synchronize()
+            row[f"{name}_us"] = round(e0.elapsed_time(e1) * 1e3 / 20 / 30, 2)
+            del gr
+        if "bf16_out_fp32" in variants:
+            a, b = variants["fp32"](), variants["bf16_out_fp32"]()
+            row["max_abs_diff"] = (a - b).abs().max().item()
+            row["argmax_equal"] = bool((a.argmax(-1) == b.argmax(-1)).all())
+        rows[f"B{B}"] = row
+        report(f"lmhead/B{B}", row)
+    res["lmhead"] = rows
+    save()
+
+if "engine" in parts:
+    from dspark import LLM, SamplingParams
+    from tests.conftest import write_tiny_checkpoint
+
+    tmp = Path(tempfile.mkdtemp())
+    smol = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                rope_theta=100000.0, tie_word_embeddings=True, initializer_range=0.02)
+    target = write_tiny_checkpoint(tmp / "smol", "llama", seed=1, **smol)
+    rows, tokens = {}, {}
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(10, 49000, (int(n),), generator=g).tolist() for n in torch.randint(50, 300, (32,), generator=g)]
+    for fuse in (True, False):
+        for async_ in (True, False):
+            pa.FUSE_COMBINE = fuse
+            name = f"fused={fuse}/async={async_}"
+            llm = LLM(str(target), device="cuda", dtype="bfloat16", max_model_len=2048, max_num_seqs=32,
+                      attention_backend="triton", kv_cache_memory_gb=4, async_scheduling=async_,
+                      enable_prefix_caching=False)
+            row = {}
+            for B, n in ((1, 256), (32, 128)):
+                p = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+                llm.generate(prompts[:B], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+                best = None
+                for _ in range(3):
+                    st = llm.engine.spec_stats
+                    v0 = st.verify_time_s
+                    steps0 = llm.engine.runner.graphs.stats["target"]
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    outs = llm.generate(prompts[:B], p)
+                    torch.cuda.synchronize()
+                    dt = time.perf_counter() - t0
+                    steps = llm.engine.runner.graphs.stats["target"] - steps0
+                    cand = {"tok_s": round(B * n / dt, 1), "wall_s": round(dt, 4), "graph_steps": steps,
+                            "gpu_ms_per_graph_step": round(1e3 * (st.verify_time_s - v0) / max(steps, 1), 4)}
+                    if best is None or cand["tok_s"] > best["tok_s"]:
+                        best = cand
+                row[f"B{B}"] = best
+                tokens.setdefault(f"fused={fuse}/B{B}", []).append([o.token_ids for o in outs])
+            row["async_steps"] = llm.engine.runner.graphs.stats["async"]
+            rows[name] = row
+            report(f"engine/{name}", row)
+            del llm
+            torch.cuda.empty_cache()
+    pa.FUSE_COMBINE = True
+    # async on vs off must give the same tokens (the same graphs compute every row); fused vs two-launch
+    # merges round differently in fp32, so random-weight near-ties may flip between those
+    rows["async_tokens_identical"] = {k: all(x == v[0] for x in v) for k, v in tokens.items()}
+    report("engine/async_tokens_identical", rows["async_tokens_identical"])
+    res["engine"] = rows
+    save()
+print("done", flush=True)
