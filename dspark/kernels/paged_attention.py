@@ -395,7 +395,7 @@ def paged_attention(
 
 # The split merge inside the attention launch (one launch per layer instead of two: at batch 1 on an
 # H200 a step is launch-bound, see docs/benchmarks.md). Module-level so benchmarks can compare.
-FUSE_COMBINE = True
+FUSE_COMBINE = False  # measured slower on the H200 (see docs/benchmarks.md, session 11): off by default
 _COUNTER_BUFS: dict[torch.device, torch.Tensor] = {}
 
 
