@@ -10,9 +10,11 @@ parts (comma-separated, default all):
            of 30 launches (one per layer) at batch 1/8/32, context 512/1k/4k, decode and verify (q=6).
   lmhead   the fp32 lm_head matmul [B, 576] x [576, 49152] vs bf16 weights with fp32 output
            (torch.mm(out_dtype=float32), if this torch has it), at batch 1/32, in a graph of 30 reps.
+  gemm     cuBLAS products of SmolLM2's layer shapes at 1/8/32/192 rows, bf16: input-major [K, N] weights
+           vs output-major [N, K] seen transposed (layers/linear.py CUDA_OUTPUT_MAJOR), µs in a graph of 30.
   engine   SmolLM2-135M shapes (random weights), bf16, greedy, EOS ignored: decode tok/s of the engine
-           end to end at batch 1 (256 tokens) and batch 32 (128 tokens), async scheduling on/off x the
-           merge in the launch on/off; tokens must be identical with async on and off.
+           end to end at batch 1 (256 tokens) and batch 32 (128 tokens): async scheduling on/off with
+           input-major weights, and async with output-major ones; tokens identical with async on and off.
 Writes OUT_DIR/fastpath.json and prints a summary.
 """
 
@@ -30,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dspark.kernels import paged_attention as pa  # noqa: E402
 
 out_dir = Path(sys.argv[1])
-parts = sys.argv[2].split(",") if len(sys.argv) > 2 else ["combine", "lmhead", "engine"]
+parts = sys.argv[2].split(",") if len(sys.argv) > 2 else ["combine", "lmhead", "gemm", "engine"]
 out_dir.mkdir(parents=True, exist_ok=True)
 res: dict = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d")}
 dev = torch.device("cuda")
@@ -173,6 +175,38 @@ if "lmhead" in parts:
     res["lmhead"] = rows
     save()
 
+if "gemm" in parts:
+    # cuBLAS at few rows: input-major weights [K, N] (the default) vs output-major [N, K] seen transposed
+    rows = {}
+    for K, N in ((576, 960), (576, 576), (576, 3072), (1536, 576)):
+        w_in = torch.randn(K, N, device=dev, dtype=torch.bfloat16) * 0.02
+        w_out = w_in.t().contiguous().t()
+        for M in (1, 8, 32, 192):
+            x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+            row = {}
+            for name, w in (("input_major", w_in), ("output_major", w_out)):
+                torch.matmul(x, w)
+                torch.cuda.synchronize()
+                gr = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(gr):
+                    for _ in range(30):
+                        y = torch.matmul(x, w)
+                gr.replay()
+                torch.cuda.synchronize()
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                for _ in range(30):
+                    gr.replay()
+                e1.record()
+                torch.cuda.synchronize()
+                row[f"{name}_us"] = round(e0.elapsed_time(e1) * 1e3 / 30 / 30, 2)
+                del gr
+            row["equal"] = bool(torch.equal(torch.matmul(x, w_in), torch.matmul(x, w_out)))
+            rows[f"K{K}_N{N}_M{M}"] = row
+            report(f"gemm/K{K}_N{N}_M{M}", row)
+    res["gemm"] = rows
+    save()
+
 if "engine" in parts:
     from dspark import LLM, SamplingParams
     from tests.conftest import write_tiny_checkpoint
@@ -185,40 +219,41 @@ if "engine" in parts:
     rows, tokens = {}, {}
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(10, 49000, (int(n),), generator=g).tolist() for n in torch.randint(50, 300, (32,), generator=g)]
-    for fuse in (True, False):
-        for async_ in (True, False):
-            pa.FUSE_COMBINE = fuse
-            name = f"fused={fuse}/async={async_}"
-            llm = LLM(str(target), device="cuda", dtype="bfloat16", max_model_len=2048, max_num_seqs=32,
-                      attention_backend="triton", kv_cache_memory_gb=4, async_scheduling=async_,
-                      enable_prefix_caching=False)
-            row = {}
-            for B, n in ((1, 256), (32, 128)):
-                p = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-                llm.generate(prompts[:B], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
-                best = None
-                for _ in range(3):
-                    st = llm.engine.spec_stats
-                    v0 = st.verify_time_s
-                    steps0 = llm.engine.runner.graphs.stats["target"]
-                    torch.cuda.synchronize()
-                    t0 = time.perf_counter()
-                    outs = llm.generate(prompts[:B], p)
-                    torch.cuda.synchronize()
-                    dt = time.perf_counter() - t0
-                    steps = llm.engine.runner.graphs.stats["target"] - steps0
-                    cand = {"tok_s": round(B * n / dt, 1), "wall_s": round(dt, 4), "graph_steps": steps,
-                            "gpu_ms_per_graph_step": round(1e3 * (st.verify_time_s - v0) / max(steps, 1), 4)}
-                    if best is None or cand["tok_s"] > best["tok_s"]:
-                        best = cand
-                row[f"B{B}"] = best
-                tokens.setdefault(f"fused={fuse}/B{B}", []).append([o.token_ids for o in outs])
-            row["async_steps"] = llm.engine.runner.graphs.stats["async"]
-            rows[name] = row
-            report(f"engine/{name}", row)
-            del llm
-            torch.cuda.empty_cache()
-    pa.FUSE_COMBINE = True
+    from dspark.layers import linear
+
+    for layout, async_ in (("input_major", True), ("input_major", False), ("output_major", True)):
+        linear.CUDA_OUTPUT_MAJOR = layout == "output_major"
+        name = f"layout={layout}/async={async_}"
+        llm = LLM(str(target), device="cuda", dtype="bfloat16", max_model_len=2048, max_num_seqs=32,
+                  attention_backend="triton", kv_cache_memory_gb=4, async_scheduling=async_,
+                  enable_prefix_caching=False)
+        row = {}
+        for B, n in ((1, 256), (32, 128)):
+            p = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+            llm.generate(prompts[:B], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+            best = None
+            for _ in range(3):
+                st = llm.engine.spec_stats
+                v0 = st.verify_time_s
+                steps0 = llm.engine.runner.graphs.stats["target"]
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                outs = llm.generate(prompts[:B], p)
+                torch.cuda.synchronize()
+                dt = time.perf_counter() - t0
+                steps = llm.engine.runner.graphs.stats["target"] - steps0
+                cand = {"tok_s": round(B * n / dt, 1), "wall_s": round(dt, 4), "graph_steps": steps,
+                        "gpu_ms_per_graph_step": round(1e3 * (st.verify_time_s - v0) / max(steps, 1), 4)}
+                if best is None or cand["tok_s"] > best["tok_s"]:
+                    best = cand
+            row[f"B{B}"] = best
+            tokens.setdefault(f"{layout}/B{B}", []).append([o.token_ids for o in outs])
+        row["async_steps"] = llm.engine.runner.graphs.stats["async"]
+        rows[name] = row
+        report(f"engine/{name}", row)
+        del llm
+        torch.cuda.empty_cache()
+    linear.CUDA_OUTPUT_MAJOR = False
     # async on vs off must give the same tokens (the same graphs compute every row); fused vs two-launch
     # merges round differently in fp32, so random-weight near-ties may flip between those
     rows["async_tokens_identical"] = {k: all(x == v[0] for x in v) for k, v in tokens.items()}

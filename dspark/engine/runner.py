@@ -106,6 +106,12 @@ class ModelRunner:
         self.model.fused = config.resolved_attention_backend == "triton"
         if config.batch_invariant:  # every target matmul through the batch-invariant kernel
             use_batch_invariant(self.model)
+        else:  # the target's fp32 logits from half weights on CUDA (LlamaForCausalLM.use_half_lm_head)
+            from dspark.layers import linear
+
+            if self.device.type == "cuda" and linear.CUDA_OUTPUT_MAJOR:
+                linear.use_output_major(self.model.layers)
+            self.model.use_half_lm_head(output_major=self.device.type == "cuda" and linear.CUDA_OUTPUT_MAJOR)
         if proposer_factory is not None:
             self.proposer = proposer_factory.build(self.model)
             if hasattr(self.proposer, "use_triton"):  # DSparkProposer: draft with the Triton kernels too

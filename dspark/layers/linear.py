@@ -18,6 +18,8 @@ GEMV, so results differ in the last bits (fp32 logits ~1e-6 relative), as any ch
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -84,6 +86,25 @@ def use_cpu_split_k(module: nn.Module, chunks: int | None = None) -> int:
         if isinstance(m, Linear):
             m.split_k = c if c > 1 and m.weight_t.shape[0] % c == 0 and m.weight_t.is_contiguous() else 1
             n += m.split_k > 1
+    return n
+
+
+# On CUDA, store the decoder's weights output-major (``[out, in]`` contiguous, ``weight_t`` a transposed
+# view of it), which changes the cuBLAS kernel cuBLAS picks for few-row products. Off until measured
+# faster on the GPU (benchmarks/gpu_fastpath_check.py, part gemm/engine); see docs/benchmarks.md.
+# DSPARK_CUDA_OUTPUT_MAJOR=1 turns it on (for benchmarks).
+CUDA_OUTPUT_MAJOR = os.environ.get("DSPARK_CUDA_OUTPUT_MAJOR") == "1"
+
+
+def use_output_major(module: nn.Module) -> int:
+    """Re-lay every Linear weight in ``module`` as ``[out, in]`` contiguous, keeping ``weight_t`` as its
+    ``[in, out]`` transposed view (so every product reads the same values; cuBLAS gets the "T"
+    operand). Returns how many layers were re-laid."""
+    n = 0
+    for m in module.modules():
+        if isinstance(m, Linear) and m.weight_t.is_contiguous():
+            m.weight_t.data = m.weight_t.data.t().contiguous().t()
+            n += 1
     return n
 
 
