@@ -344,9 +344,11 @@ class ModelRunner:
     # ------------------------------------------------------------------ async scheduling
     def can_launch_async(self, requests: list[Request]) -> bool:
         """Whether a decode step of these requests can run as ``launch`` / ``finish`` (CUDA graphs, no
-        speculation, every request greedy with nothing but the argmax needed from its logits)."""
+        speculation; each request greedy or sampled, without penalties (they count output tokens the
+        host does not know yet) or logprobs)."""
         return (self.config.async_scheduling and self.graphs is not None and self.proposer is None
-                and 0 < len(requests) <= self.graphs.max_batch and all(_greedy_plain(r.params) for r in requests))
+                and 0 < len(requests) <= self.graphs.max_batch
+                and all(r.params.logprobs is None and spec_eligible_params(r.params) for r in requests))
 
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput, kv: KVCacheManager, prev: InflightStep | None) -> InflightStep:
@@ -377,7 +379,12 @@ class ModelRunner:
         timing = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if self.device.type == "cuda" else None
         if timing:
             timing[0].record()
-        tokens = G.replay_target(Bg, bucket)[:B, 0].argmax(dim=-1)  # [B]
+        logits = G.replay_target(Bg, bucket)[:B, 0]  # [B, V]
+        reqs = [s.request for s in scheduled]
+        if all(r.params.greedy for r in reqs):
+            tokens = logits.argmax(dim=-1)  # [B]
+        else:  # the token sampled sits at index num_tokens (pending placeholders included)
+            tokens = self.sampler(logits, self._sampling_batch(reqs, [r.num_tokens for r in reqs]), no_sync=True)
         if timing:
             timing[1].record()
         host.copy_(tokens, non_blocking=True)

@@ -299,15 +299,18 @@ def sample_from_candidates(penalised: Tensor, batch: SamplingBatch, stream: int)
 class Sampler:
     """Picks one token per row from raw [B, V] logits according to a SamplingBatch."""
 
-    def __call__(self, logits: Tensor, batch: SamplingBatch, stream: int = STREAM_SAMPLE) -> Tensor:
+    def __call__(self, logits: Tensor, batch: SamplingBatch, stream: int = STREAM_SAMPLE,
+                 no_sync: bool = False) -> Tensor:
         """[B] int64 tokens. Greedy rows: argmax of the penalised logits. Random rows: Gumbel-max,
         argmax(processed logits + gumbel(seed, position, stream)), an exact draw from softmax of the
-        processed logits that depends only on (seed, position, stream)."""
+        processed logits that depends only on (seed, position, stream). ``no_sync``: never read a
+        device value on the host (async scheduling): the whole-vocabulary draw is made even when
+        every row was served by its candidates (the same tokens, more GPU work)."""
         penalised = apply_penalties(logits.float(), batch)
         if batch.all_greedy:
             return penalised.argmax(dim=-1)
         cand = sample_from_candidates(penalised, batch, stream)
-        if cand is not None and bool((cand[1] | (batch.temperature == 0)).all()):
+        if cand is not None and not no_sync and bool((cand[1] | (batch.temperature == 0)).all()):
             sampled = cand[0]  # every random row drawn from its candidates
         else:  # the rest (no top-k, a tie past the candidates) from the whole vocabulary
             noise = gumbel(batch.seeds, batch.positions, stream, logits.shape[-1])  # [B, V]

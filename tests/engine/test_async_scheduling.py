@@ -120,3 +120,23 @@ def test_kv_pressure_matches_sync(target, prompts):
     assert _summary(got) == _summary(want)
     assert llm.engine.runner.graphs.stats["async"] > 0
     assert sum(o.stats["num_preemptions"] for o in got.values()) > 0  # the pool really ran short
+
+
+def test_sampled_requests_match_sync(target, prompts):
+    """Seeded sampling (whole vocabulary; top-k candidates; top-p) mixed with a greedy request in the
+    same asynchronously launched steps: the noise is keyed by (seed, position), and the position of a
+    sampled token counts the pending placeholders, so the tokens equal the synchronous engine's."""
+    params = [SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=3),
+              SamplingParams(temperature=0.8, top_k=5, max_tokens=10, ignore_eos=True, seed=4),
+              SamplingParams(temperature=0.7, top_p=0.9, max_tokens=11, ignore_eos=True, seed=5),
+              SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)]
+    reqs = list(zip(prompts + prompts[:1], params))
+    want, _, _ = _drive(_llm(target, False), reqs)
+    llm = _llm(target, True)
+    got, _, _ = _drive(llm, reqs)
+    assert _summary(got) == _summary(want)
+    assert llm.engine.runner.graphs.stats["async"] > 0
+    # a penalty (it counts output tokens the host does not have yet) keeps a batch off the async path
+    pen = _llm(target, True)
+    _drive(pen, [(prompts[0], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, repetition_penalty=1.2))])
+    assert pen.engine.runner.graphs.stats["async"] == 0
