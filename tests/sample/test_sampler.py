@@ -295,6 +295,26 @@ def test_seeded_sampling_independent_of_batch_composition() -> None:
     assert full[2] == int(row_logits[2].argmax())
 
 
+def test_no_sync_draws_the_same_tokens() -> None:
+    """``no_sync`` (async scheduling) skips the host check of whether every row was served by its top-k
+    candidates and always makes the whole-vocabulary draw too: the tokens are the same, with and
+    without candidate rows, greedy rows and rows the candidates cannot serve (no top-k)."""
+    vocab = 300
+    gen = torch.Generator().manual_seed(5)
+    sampler = Sampler()
+    for trial in range(20):
+        logits = torch.randn(5, vocab, generator=gen) * 3
+        params = [SamplingParams(temperature=0.8, top_k=7, seed=trial),
+                  SamplingParams(temperature=1.0, top_k=3, top_p=0.8, seed=trial + 1),
+                  SamplingParams(temperature=0.0),
+                  SamplingParams(temperature=1.0, seed=trial + 2),
+                  SamplingParams(temperature=0.5, top_p=0.9, seed=trial + 3)]
+        for rows in ([0, 1], [0, 1, 2], [0, 1, 2, 3, 4], [3, 4]):
+            batch = make_batch([params[i] for i in rows], vocab, seeds=[trial * 7 + i for i in rows],
+                               positions=[trial + i for i in rows])
+            assert sampler(logits[rows], batch, no_sync=True).tolist() == sampler(logits[rows], batch).tolist()
+
+
 def test_seed_position_and_stream_change_draws() -> None:
     vocab = 1000
     logits = torch.zeros(200, vocab)  # uniform distribution: draws are pure noise
