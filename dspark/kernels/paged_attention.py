@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from dspark.kernels import check_device, next_pow2
+from dspark.kernels.fused_ops import _head_norm, _rope, cast_rtne
 
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x * LOG2E)
 
@@ -202,14 +203,22 @@ def _paged_attention_kernel(
     stride_ot, stride_oh, stride_os,
     stride_lt, stride_lh,
     stride_ft, stride_fh,
+    k_new_ptr, sk_t, sk_h, v_new_ptr, sv_t, sv_h, pos_ptr, cos_ptr, sin_ptr, stride_cs, qn_ptr, kn_ptr, eps,
+    slot_ptr,
     G: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, FUSE_COMBINE: tl.constexpr, MAX_CHUNKS: tl.constexpr,
+    ROPE_IN: tl.constexpr, HAS_QNORM: tl.constexpr, HAS_KNORM: tl.constexpr,
 ):
     """Program (b, kv head, split * q_programs + c): query chunks c, c + q_programs, ... of request b
     (BLOCK_Q query tokens × G heads each), against key slice ``split`` of what the chunk may see.
     FUSE_COMBINE (with several splits): the chunk's last split program also merges the slices into
-    ``final_ptr`` (one counter per (b, kv head, chunk), MAX_CHUNKS chunks per request at most)."""
+    ``final_ptr`` (one counter per (b, kv head, chunk), MAX_CHUNKS chunks per request at most).
+    ROPE_IN: fused_ops.rope_qk_cache inside this launch. q_ptr holds the raw (pre-RoPE) queries;
+    the program applies the optional per-head norm and RoPE to its query rows itself, and first
+    writes the rotated K and the V of the step's new tokens that fall in its own key slice, for its
+    own KV head, into the cache (each program reads only old keys and keys it wrote itself, after a
+    barrier; a slice shared by several query chunks is written by each of them, with the same values)."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2) % NUM_SPLITS
@@ -232,13 +241,54 @@ def _paged_attention_kernel(
         row_ok = (r < BLOCK_Q * G) & (qi < n_q)
         q_pos = ctx_len + qi
         t = q_start + qi
-        q = tl.load(q_ptr + t[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        if ROPE_IN:  # as fused_ops._rope_cache_kernel does for q (HEAD_DIM is a power of two here)
+            dr = (d + HEAD_DIM // 2) % HEAD_DIM
+            qm = row_ok[:, None]
+            q_off = q_ptr + t[:, None] * stride_qt + head[:, None] * stride_qh
+            x = tl.load(q_off + d[None, :], mask=qm, other=0.0)
+            xr = tl.load(q_off + dr[None, :], mask=qm, other=0.0)
+            if HAS_QNORM:
+                x, xr = _head_norm(x, xr, qn_ptr, d, dr, eps, HEAD_DIM)
+            rp = tl.load(pos_ptr + t, mask=row_ok, other=0).to(tl.int64)
+            dt = x.dtype
+            cq = cast_rtne(tl.load(cos_ptr + rp[:, None] * stride_cs + d[None, :]).to(tl.float32), dt).to(tl.float32)
+            sq = cast_rtne(tl.load(sin_ptr + rp[:, None] * stride_cs + d[None, :]).to(tl.float32), dt).to(tl.float32)
+            q = _rope(x, xr, cq, sq)
+        else:
+            q = tl.load(q_ptr + t[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                        mask=row_ok[:, None] & d_ok[None, :], other=0.0)
         # The chunk's last query sees keys < kv_end; this program takes one slice of [0, kv_end).
         kv_end = tl.minimum(seq_len, ctx_len + c0 + BLOCK_Q)
         split_len = ((kv_end + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
         lo = split * split_len
         hi = tl.minimum(lo + split_len, kv_end)
+        if ROPE_IN:  # the new tokens' K (rotated) and V of this slice, this KV head, into the cache
+            drk = (d + HEAD_DIM // 2) % HEAD_DIM
+            for p0 in range(tl.maximum(lo, ctx_len), hi, BLOCK_N):
+                p = p0 + n
+                p_ok = p < hi
+                tk = q_start + (p - ctx_len)
+                slot = tl.load(slot_ptr + tk, mask=p_ok, other=-1).to(tl.int64)
+                w_ok = p_ok & (slot >= 0)
+                k_off = k_new_ptr + tk[:, None] * sk_t + kvh * sk_h
+                kx = tl.load(k_off + d[None, :], mask=p_ok[:, None], other=0.0)
+                kxr = tl.load(k_off + drk[None, :], mask=p_ok[:, None], other=0.0)
+                if HAS_KNORM:
+                    kx, kxr = _head_norm(kx, kxr, kn_ptr, d, drk, eps, HEAD_DIM)
+                kp = tl.load(pos_ptr + tk, mask=p_ok, other=0).to(tl.int64)
+                kdt = kx.dtype
+                ck = cast_rtne(tl.load(cos_ptr + kp[:, None] * stride_cs + d[None, :]).to(tl.float32), kdt).to(tl.float32)
+                sk = cast_rtne(tl.load(sin_ptr + kp[:, None] * stride_cs + d[None, :]).to(tl.float32), kdt).to(tl.float32)
+                kx = _rope(kx, kxr, ck, sk)
+                blk = slot // PAGE
+                cache_k = blk * stride_kb + (slot % PAGE) * stride_kt + kvh * stride_kh
+                cache_v = blk * stride_vb + (slot % PAGE) * stride_vt + kvh * stride_vh
+                tl.store(k_cache_ptr + cache_k[:, None] + d[None, :],
+                         cast_rtne(kx.to(tl.float32), k_cache_ptr.dtype.element_ty), mask=w_ok[:, None])
+                vx = tl.load(v_new_ptr + tk[:, None] * sv_t + kvh * sv_h + d[None, :], mask=w_ok[:, None], other=0.0)
+                tl.store(v_cache_ptr + cache_v[:, None] + d[None, :],
+                         cast_rtne(vx.to(tl.float32), v_cache_ptr.dtype.element_ty), mask=w_ok[:, None])
+            tl.debug_barrier()  # this program's cache writes before its reads of them
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.full([BLOCK_M], 0.0, tl.float32)
@@ -318,6 +368,7 @@ def paged_attention(
     block_n: int | None = None,
     block_m: int | None = None,
     fuse_combine: bool | None = None,
+    rope: dict | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's new query rows over its paged K/V -> [T, Hq, D].
@@ -334,6 +385,12 @@ def paged_attention(
     Triton lays the tile out over the warps, and so the order in which a row's softmax max and sum
     are reduced — a one-token decode (16-row tile) and a 1 + N-token verification (32 rows) would
     otherwise round the same row differently.
+
+    ``rope``: fused_ops.rope_qk_cache in the same launch (``q`` then holds the raw queries, a strided
+    view of the qkv projection is fine): a dict with ``k``, ``v`` [T, Hkv, D] (raw new keys, values),
+    ``positions`` [T], ``cos``, ``sin_signed`` (RotaryEmbedding's [P, D] tables), ``slot_mapping``
+    [T] (negative: not written), and optional ``q_norm``, ``k_norm`` (per-head weights), ``eps``.
+    Same queries, cache contents and output as rope_qk_cache followed by this function.
 
     With a key split, the slices are merged by the attention launch itself (its last program per
     query chunk, ``_combine_in_last_program``) when ``max_query_len`` is given (it bounds the chunk
@@ -376,17 +433,36 @@ def paged_attention(
         if fuse:
             counters = _counters(B * Hkv * max_chunks, q.device)
             fuse = counters is not None
+    if rope is not None:
+        if D & (D - 1):
+            raise ValueError(f"RoPE in the attention launch needs a power-of-two head_dim, got {D}")
+        rk, rv, cos, sin = rope["k"], rope["v"], rope["cos"], rope["sin_signed"]
+        assert rk.shape == rv.shape == (T, Hkv, D) and rk.stride(2) == 1 and rv.stride(2) == 1
+        sin = sin.to(cos.dtype)
+        if cos.stride(-1) != 1 or sin.stride() != cos.stride():
+            cos, sin = cos.contiguous(), sin.contiguous()
+        qn, kn = rope.get("q_norm"), rope.get("k_norm")
+        rope_args = (rk, rk.stride(0), rk.stride(1), rv, rv.stride(0), rv.stride(1), rope["positions"], cos, sin,
+                     cos.stride(0), qn if qn is not None else cos, kn if kn is not None else cos,
+                     float(rope.get("eps", 1e-6)), rope["slot_mapping"])
+    else:
+        rope_args = (q, 0, 0, q, 0, 0, seq_lens, q, q, 0, q, q, 0.0, seq_lens)
     _paged_attention_kernel[(B, Hkv, splits * q_programs)](
         q, k_cache, v_cache, target, lse, out, counters, block_tables, seq_lens, query_start_loc,
         scale * LOG2E, q_programs,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0), *so, out.stride(0), out.stride(1),
+        block_tables.stride(0), *so, out.stride(0), out.stride(1), *rope_args,
         G=G, PAGE=page, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
         BLOCK_D=next_pow2(D), NUM_SPLITS=splits, DOT_PRECISION=dot_precision(q.dtype),
         FUSE_COMBINE=fuse, MAX_CHUNKS=max_chunks,
-        num_warps=4,
+        ROPE_IN=rope is not None, HAS_QNORM=rope is not None and rope.get("q_norm") is not None,
+        HAS_KNORM=rope is not None and rope.get("k_norm") is not None,
+        # fp32 RoPE products must not be contracted into FMAs (fused_ops' exactness note); in bf16/fp16 the
+        # explicit roundings already keep them apart, and the attention math keeps its FMAs.
+        num_warps=4, **({"enable_fp_fusion": False} if rope is not None and q.is_cuda and q.dtype == torch.float32
+                        else {}),
     )
     if splits > 1 and not fuse:
         combine_splits(target, lse, out, None)

@@ -135,6 +135,61 @@ def test_split_merge_in_the_launch_with_query_chunks():
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
 
 
+def _rope_case(b: Batch, dtype: torch.dtype, norm: bool, seed: int = 0):
+    """Raw q/k/v as strided views of one fused qkv projection, RoPE tables, optional q/k norms."""
+    from dspark.layers.basic import RotaryEmbedding
+
+    g = torch.Generator().manual_seed(seed)
+    T, Hq, D = b.q.shape
+    Hkv = b.k.shape[1]
+    qkv = torch.randn(T, (Hq + 2 * Hkv) * D, generator=g).to(dtype)
+    q, k, v = (x.view(T, -1, D) for x in qkv.split([Hq * D, Hkv * D, Hkv * D], -1))
+    rope = RotaryEmbedding(D, 10000.0, 128)
+    qn, kn = (torch.randn(D, generator=g).to(dtype) for _ in range(2)) if norm else (None, None)
+    return q, k, v, dict(k=k, v=v, positions=b.positions, cos=rope.cos, sin_signed=rope.sin_signed,
+                         slot_mapping=b.slot_mapping, q_norm=qn, k_norm=kn, eps=1e-6)
+
+
+@pytest.mark.parametrize("name,seq_lens,q_lens", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("norm", [False, True], ids=["llama", "qk-norm"])
+def test_rope_and_cache_write_in_the_attention_launch(name, seq_lens, q_lens, dtype, num_splits, norm):
+    """``rope=``: the RoPE (+ per-head q/k norm) and K/V cache write of fused_ops.rope_qk_cache done by
+    the attention launch itself gives bit-identical caches and output to rope_qk_cache followed by
+    the attention, with the key range split or not and a padding request on the dummy block."""
+    from dspark.kernels.fused_ops import rope_qk_cache
+
+    b = make_batch(seq_lens, q_lens, heads=(9, 3), head_dim=64, page=4, pad_requests=1)
+    q, k, v, rope = _rope_case(b, dtype, norm)
+    kc1, vc1 = b.k_cache.to(dtype), b.v_cache.to(dtype)
+    kc2, vc2 = kc1.clone(), vc1.clone()
+    qr, _ = rope_qk_cache(q, k, v, b.positions, rope["cos"], rope["sin_signed"], kc1, vc1, b.slot_mapping,
+                          rope["q_norm"], rope["k_norm"], 1e-6)
+    kw = dict(max_query_len=max(q_lens), num_splits=num_splits, block_n=16)
+    want = paged_attention(qr, kc1, vc1, b.block_tables, b.seq_lens, b.qsl, 0.125, **kw)
+    got = paged_attention(q, kc2, vc2, b.block_tables, b.seq_lens, b.qsl, 0.125, rope=rope, **kw)
+    assert torch.equal(kc2, kc1) and torch.equal(vc2, vc1)  # every new K/V row written, nothing else
+    assert torch.equal(got, want)
+
+
+def test_rope_in_the_launch_with_query_chunks():
+    """A prefill-like request over several query chunks and programs: chunks that share a key slice
+    each write its new K/V (same values) before reading them."""
+    from dspark.kernels.fused_ops import rope_qk_cache
+
+    b = make_batch([37, 9], [29, 2], heads=(9, 3), head_dim=64, page=16)
+    q, k, v, rope = _rope_case(b, torch.float32, False, seed=1)
+    kc1, vc1 = b.k_cache.clone(), b.v_cache.clone()
+    kc2, vc2 = kc1.clone(), vc1.clone()
+    qr, _ = rope_qk_cache(q, k, v, b.positions, rope["cos"], rope["sin_signed"], kc1, vc1, b.slot_mapping)
+    for splits in (1, 3):
+        kw = dict(max_query_len=29, num_splits=splits, block_n=8)
+        want = paged_attention(qr, kc1, vc1, b.block_tables, b.seq_lens, b.qsl, 0.125, **kw)
+        got = paged_attention(q, kc2, vc2, b.block_tables, b.seq_lens, b.qsl, 0.125, rope=rope, **kw)
+        assert torch.equal(kc2, kc1) and torch.equal(got, want)
+
+
 @pytest.mark.parametrize("name,seq_lens,q_lens", CASES, ids=[c[0] for c in CASES])
 def test_fixed_query_tile_of_batch_invariant_mode(name, seq_lens, q_lens):
     """block_m fixed at 64 (batch-invariant mode: decode, verification and prefill rows share one tile
