@@ -107,6 +107,14 @@ class TritonAttentionBackend:
         self._write_kv(_last_dim_contiguous(k), _last_dim_contiguous(v), k_cache, v_cache, meta.slot_mapping)
         return self.attend(q, k_cache, v_cache, meta, scale)
 
+    def attend_rope(self, q, k_cache, v_cache, meta: TritonAttentionMetadata, scale: float, rope: dict) -> torch.Tensor:
+        """``attend`` with fused_ops.rope_qk_cache folded into the launch: ``q`` raw (pre-RoPE), ``rope``
+        the new K/V and tables (kernels/paged_attention.py, ``paged_attention(rope=)``)."""
+        return self._paged_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
+            max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, rope=rope, **self._fixed,
+        )
+
     def attend(self, q, k_cache, v_cache, meta: TritonAttentionMetadata, scale: float) -> torch.Tensor:
         """Attention only, over K/V the caller already wrote at ``meta.slot_mapping`` (the fused decoder
         layer writes them in its RoPE kernel, fused_ops.rope_qk_cache): ``forward`` without write_kv."""

@@ -19,6 +19,8 @@ Two forwards, chosen by ``LlamaForCausalLM.fused``:
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -28,6 +30,12 @@ from dspark.layers.basic import RMSNorm, RotaryEmbedding, apply_rope, silu_and_m
 from dspark.layers.linear import Linear
 from dspark.layers.triton_attention import TritonAttentionBackend, TritonAttentionMetadata
 from dspark.models.errors import ModelLoadError
+
+
+# RoPE (+ q/k norm) and the K/V cache write inside the attention launch (kernels/paged_attention.py,
+# ``rope=``): one launch fewer per layer, bit-identical in Triton's interpreter. Off until measured on
+# the GPU (benchmarks/gpu_fastpath_check.py); DSPARK_ROPE_IN_ATTENTION=1 turns it on.
+ROPE_IN_ATTENTION = os.environ.get("DSPARK_ROPE_IN_ATTENTION") == "1"
 
 
 class Attention(nn.Module):
@@ -81,7 +89,7 @@ class DecoderLayer(nn.Module):
 
     def forward_fused(self, x: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor,
                       rope: RotaryEmbedding, backend: TritonAttentionBackend, meta: TritonAttentionMetadata,
-                      kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                      kv: torch.Tensor, rope_in_attention: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """``forward`` on the fused Triton kernels, in vLLM's residual chain: the residual adds are
         fused into the following RMSNorm (fused_ops.add_rms_norm), so a layer takes its input already
         normed (``x = input_layernorm(residual)``, done by the caller together with the previous
@@ -92,19 +100,26 @@ class DecoderLayer(nn.Module):
         merge) -> o_proj GEMM -> add_rms_norm (residual add + post-attention norm) -> gate_up GEMM ->
         silu_and_mul -> down GEMM; plus the caller's add_rms_norm: 9 launches (10 with a key split).
 
+        ``rope_in_attention``: the rope_qk_cache launch is folded into the attention launch (8 launches).
+
         Reads no tensor value on the host, so it can be captured in a CUDA graph."""
         from dspark.kernels.fused_ops import add_rms_norm, rope_qk_cache, silu_and_mul as silu_and_mul_kernel
 
         a = self.self_attn
         T = x.shape[0]
         q, k, v = a.qkv_proj(x).split([a.q_size, a.kv_size, a.kv_size], dim=-1)
+        q, k, v = (q.view(T, a.num_heads, a.head_dim), k.view(T, a.num_kv_heads, a.head_dim),
+                   v.view(T, a.num_kv_heads, a.head_dim))
         qk_norm = (a.q_norm.weight, a.k_norm.weight, a.q_norm.eps) if a.q_norm is not None else (None, None, 0.0)
-        q, _ = rope_qk_cache(  # K/V land in the cache here (slot < 0: padding, skipped)
-            q.view(T, a.num_heads, a.head_dim), k.view(T, a.num_kv_heads, a.head_dim),
-            v.view(T, a.num_kv_heads, a.head_dim), positions, rope.cos, rope.sin_signed, kv[0], kv[1],
-            meta.slot_mapping, *qk_norm,
-        )
-        o = backend.attend(q, kv[0], kv[1], meta, a.scale)  # K/V already in the cache: attention only
+        if rope_in_attention:
+            o = backend.attend_rope(q, kv[0], kv[1], meta, a.scale, dict(
+                k=k, v=v, positions=positions, cos=rope.cos, sin_signed=rope.sin_signed,
+                slot_mapping=meta.slot_mapping, q_norm=qk_norm[0], k_norm=qk_norm[1], eps=qk_norm[2]))
+        else:
+            q, _ = rope_qk_cache(  # K/V land in the cache here (slot < 0: padding, skipped)
+                q, k, v, positions, rope.cos, rope.sin_signed, kv[0], kv[1], meta.slot_mapping, *qk_norm,
+            )
+            o = backend.attend(q, kv[0], kv[1], meta, a.scale)  # K/V already in the cache: attention only
         norm = self.post_attention_layernorm
         x, residual = add_rms_norm(a.o_proj(o.reshape(T, a.q_size)), residual, norm.weight, norm.eps)
         return self.mlp.down_proj(silu_and_mul_kernel(self.mlp.gate_up_proj(x))), residual
@@ -130,6 +145,8 @@ class LlamaForCausalLM(nn.Module):
         # attention backend, the only backend it works with); False: the PyTorch ops.
         self.fused = False
         self._lm_head_half: torch.Tensor | None = None  # see use_half_lm_head
+        # RoPE and the K/V write inside the attention launch (fused forward only; see ROPE_IN_ATTENTION)
+        self.rope_in_attention = ROPE_IN_ATTENTION and cfg.head_dim & (cfg.head_dim - 1) == 0
 
     def forward(
         self,
@@ -167,7 +184,8 @@ class LlamaForCausalLM(nn.Module):
         x, residual = add_rms_norm(self.embed_tokens(input_ids), None, norm.weight, norm.eps)
         taps: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
-            mlp_out, residual = layer.forward_fused(x, residual, positions, self.rope, backend, meta, kv_caches[i])
+            mlp_out, residual = layer.forward_fused(x, residual, positions, self.rope, backend, meta, kv_caches[i],
+                                                    self.rope_in_attention)
             norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
             x, residual = add_rms_norm(mlp_out, residual, norm.weight, norm.eps)  # residual: layer i's output
             if i in self.tap_layers:

@@ -142,3 +142,46 @@ def test_engine_fused_matches_torch_backend(checkpoint, tmp_path_factory):
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
     st, ref_st = llm.engine.spec_stats, ref.engine.spec_stats
     assert st.num_drafts > 0 and (st.num_drafts, st.num_accepted) == (ref_st.num_drafts, ref_st.num_accepted)
+
+
+def test_rope_in_the_attention_launch_matches(checkpoint):
+    """``rope_in_attention`` (RoPE, q/k norm and the K/V write inside the attention launch, one launch
+    fewer per layer): the same hidden states, taps and caches as the separate rope_qk_cache launch."""
+    _, path, taps = checkpoint
+    model = build_model(path, taps)
+    model.rope_in_attention = False
+    want = run_step(model, NoWriteBackend("cpu"), fused=True)
+    calls = []
+
+    class Counting(NoWriteBackend):
+        def attend(self, *a, **k):
+            raise AssertionError("rope_in_attention must attend through attend_rope")
+
+        def attend_rope(self, *a, **k):
+            calls.append(1)
+            return super().attend_rope(*a, **k)
+
+    model.rope_in_attention = True
+    got = run_step(model, Counting("cpu"), fused=True)
+    assert len(calls) == model.config.num_hidden_layers
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
+def test_engine_rope_in_attention_matches(checkpoint, tmp_path_factory):
+    """Whole engine with DSpark (verification rows, rollbacks, chunked prefill): the same greedy tokens
+    and acceptance with RoPE inside the attention launch as without."""
+    arch, path, taps = checkpoint
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(4, 512, (n,), generator=g).tolist() for n in (9, 3)]
+    d = random_drafter(tmp_path_factory.mktemp("fused") / f"dr-{arch}", path, target_layer_ids=ARCHS[arch][2],
+                       block_size=4)
+    kw = dict(device="cpu", block_size=4, num_kv_blocks=48, max_num_batched_tokens=8,
+              speculative_config={"model": str(d)}, attention_backend="triton")
+    runs = []
+    for on in (False, True):
+        llm = LLM(str(path), **kw)
+        llm.engine.runner.model.rope_in_attention = on
+        runs.append(([o.token_ids for o in llm.generate(prompts, GREEDY)],
+                     (llm.engine.spec_stats.num_drafts, llm.engine.spec_stats.num_accepted)))
+    assert runs[0] == runs[1] and runs[0][1][0] > 0
