@@ -13,8 +13,10 @@ parts (comma-separated, default all):
   gemm     cuBLAS products of SmolLM2's layer shapes at 1/8/32/192 rows, bf16: input-major [K, N] weights
            vs output-major [N, K] seen transposed (layers/linear.py CUDA_OUTPUT_MAJOR), µs in a graph of 30.
   engine   SmolLM2-135M shapes (random weights), bf16, greedy, EOS ignored: decode tok/s of the engine
-           end to end at batch 1 (256 tokens) and batch 32 (128 tokens): async scheduling on/off with
-           input-major weights, and async with output-major ones; tokens identical with async on and off.
+           end to end at batch 1 (256 tokens) and batch 32 (128 tokens), async scheduling on/off, for the
+           default engine and with RoPE + the K/V write inside the attention launch (models/llama.py
+           ROPE_IN_ATTENTION; its tokens must equal the default's: bit-identical kernels), plus
+           output-major weights when "output_major" is among the parts; tokens identical with async on/off.
 Writes OUT_DIR/fastpath.json and prints a summary.
 """
 
@@ -220,10 +222,15 @@ if "engine" in parts:
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(10, 49000, (int(n),), generator=g).tolist() for n in torch.randint(50, 300, (32,), generator=g)]
     from dspark.layers import linear
+    from dspark.models import llama
 
-    for layout, async_ in (("input_major", True), ("input_major", False), ("output_major", True)):
+    configs = [("base", True), ("base", False), ("rope_in_attention", True), ("rope_in_attention", False)]
+    if "output_major" in parts:
+        configs.append(("output_major", True))
+    for layout, async_ in configs:
         linear.CUDA_OUTPUT_MAJOR = layout == "output_major"
-        name = f"layout={layout}/async={async_}"
+        llama.ROPE_IN_ATTENTION = layout == "rope_in_attention"
+        name = f"{layout}/async={async_}"
         llm = LLM(str(target), device="cuda", dtype="bfloat16", max_model_len=2048, max_num_seqs=32,
                   attention_backend="triton", kv_cache_memory_gb=4, async_scheduling=async_,
                   enable_prefix_caching=False)
@@ -254,10 +261,15 @@ if "engine" in parts:
         del llm
         torch.cuda.empty_cache()
     linear.CUDA_OUTPUT_MAJOR = False
+    llama.ROPE_IN_ATTENTION = False
     # async on vs off must give the same tokens (the same graphs compute every row); fused vs two-launch
     # merges round differently in fp32, so random-weight near-ties may flip between those
     rows["async_tokens_identical"] = {k: all(x == v[0] for x in v) for k, v in tokens.items()}
+    rows["rope_in_attention_tokens_identical"] = {
+        f"B{B}": tokens.get(f"rope_in_attention/B{B}", [None])[0] == tokens.get(f"base/B{B}", [None])[0]
+        for B in (1, 32)}
     report("engine/async_tokens_identical", rows["async_tokens_identical"])
+    report("engine/rope_in_attention_tokens_identical", rows["rope_in_attention_tokens_identical"])
     res["engine"] = rows
     save()
 print("done", flush=True)
