@@ -158,23 +158,40 @@ class Trainer:
 
     def _init_from(self, path: str, dc: DrafterConfig) -> None:
         """Start from a trained drafter's weights (e.g. the shipped one, to go on training it in a later
-        session, whose machine no longer has trainer_state.pt): same architecture and config required;
-        the optimizer starts fresh."""
+        session, whose machine no longer has trainer_state.pt): same config required, except that this
+        run may have more layers (a deeper drafter grown from a trained one): the trained layers come
+        first, each new layer keeps its random init but with its two residual-branch outputs (o_proj,
+        down_proj) zeroed, so it starts as the identity and the grown drafter drafts exactly as the
+        trained one did (the context K/V of every layer come from the shared fc(taps), not from the
+        layer below). The optimizer starts fresh."""
         from safetensors.torch import load_file
+
+        from dspark.train.checkpoint import drafter_state_dict
 
         p = Path(path)
         if not (p / "config.json").is_file():
             raise ValueError(f"init_from {path!r}: no config.json there")
         theirs = DrafterConfig.from_dict(json.loads((p / "config.json").read_text()))
-        if theirs != dc:
-            diff = {k: (getattr(theirs, k), getattr(dc, k)) for k in asdict(dc)
-                    if getattr(theirs, k) != getattr(dc, k)}
-            raise ValueError(f"init_from {path!r}: its config differs from this run's (theirs, ours): {diff}")
+        diff = {k: (getattr(theirs, k), getattr(dc, k)) for k in asdict(dc) if getattr(theirs, k) != getattr(dc, k)}
+        grow = set(diff) == {"num_hidden_layers"} and theirs.num_hidden_layers < dc.num_hidden_layers
+        if diff and not grow:
+            raise ValueError(f"init_from {path!r}: its config differs from this run's (theirs, ours): {diff}"
+                             + (" (only growing the number of layers is supported)" if "num_hidden_layers" in diff else ""))
         sd: dict[str, torch.Tensor] = {}
         for f in sorted(p.glob("*.safetensors")):
             sd.update(load_file(str(f)))
+        if grow:
+            own = drafter_state_dict(self.drafter)
+            for i in range(theirs.num_hidden_layers, dc.num_hidden_layers):
+                prefix = f"layers.{i}."
+                for name, t in own.items():
+                    if name.startswith(prefix):
+                        sd[name] = torch.zeros_like(t) if name.endswith(("o_proj.weight", "down_proj.weight")) else t
         self.drafter.load_state_dict_deepspec(sd, self.target.embed_tokens.weight, self.target.lm_head.weight_t)
         self.drafter.float().requires_grad_(True)
+        if grow:
+            print(f"[train] grown from {path}: layers 0-{theirs.num_hidden_layers - 1} trained, "
+                  f"{theirs.num_hidden_layers}-{dc.num_hidden_layers - 1} new (identity at start)", flush=True)
 
     # ------------------------------------------------------------------ one step
     def _step_generator(self, step: int) -> torch.Generator:

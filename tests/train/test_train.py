@@ -431,6 +431,30 @@ def test_init_from_a_trained_drafter(target, token_files, tmp_path):
                      init_from=str(tmp_path / "a" / "drafter")))
 
 
+def test_init_from_grows_a_deeper_drafter(target, token_files, tmp_path):
+    """A deeper drafter grown from a trained one (``init_from`` with more layers): the trained layers
+    first, the new ones starting as the identity (residual-branch outputs zero), so the grown drafter
+    gives the trained one's loss on the same batch; training then moves the new layers. Fewer layers
+    than the checkpoint is refused."""
+    first = Trainer(_cfg(target, token_files, tmp_path / "a", steps=4, eval_data=None, num_layers=1))
+    first.train()
+    src = str(tmp_path / "a" / "drafter")
+    grown = Trainer(_cfg(target, token_files, tmp_path / "b", steps=3, eval_data=None, num_layers=3, init_from=src))
+    want, got = drafter_state_dict(first.drafter), drafter_state_dict(grown.drafter)
+    assert all(torch.equal(want[k], got[k]) for k in want)  # every trained tensor carried over
+    for i in (1, 2):
+        assert not got[f"layers.{i}.self_attn.o_proj.weight"].any() and not got[f"layers.{i}.mlp.down_proj.weight"].any()
+        assert got[f"layers.{i}.self_attn.q_proj.weight"].any()  # the rest of a new layer keeps its random init
+    with torch.no_grad():
+        a, b = first._train_loss(0), grown._train_loss(0)
+    assert abs(a.total.item() - b.total.item()) < 1e-5 and abs(a.tau_prob.item() - b.tau_prob.item()) < 1e-5
+    grown.train()
+    assert drafter_state_dict(grown.drafter)["layers.2.mlp.down_proj.weight"].any()
+    with pytest.raises(ValueError, match="only growing"):
+        Trainer(_cfg(target, token_files, tmp_path / "c", eval_data=None, num_layers=1,
+                     init_from=str(tmp_path / "b" / "drafter")))
+
+
 def test_time_budget_refits_the_step_count_from_real_steps(target, token_files, tmp_path, monkeypatch):
     """The planner's estimate is replaced after REPLAN_AT real steps by one from their measured pace; a
     split run (stop_after_s, then resume) keeps the schedule."""
