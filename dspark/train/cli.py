@@ -65,7 +65,8 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     o.add_argument("--resume", action="store_true", help="continue from OUT/trainer_state.pt")
     o.add_argument("--init-from", default=None,
                    help="start from this trained drafter directory (same config; e.g. the shipped one) instead of "
-                        "a random init; the optimizer starts fresh")
+                        "a random init; the optimizer starts fresh. With more --num-layers than it has: a deeper "
+                        "drafter grown from it (new layers appended, starting as the identity)")
     o.add_argument("--restart-steps", type=int, default=None,
                    help="with --resume: a warm restart, a new warm-up + cosine schedule of this many steps from the "
                         "checkpoint's weights and optimizer state (at --lr); only on the call that starts it")
