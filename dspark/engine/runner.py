@@ -28,7 +28,7 @@ from dspark.layers.attention import BatchLayout, TorchAttentionBackend
 from dspark.layers.linear import use_batch_invariant, use_cpu_split_k
 from dspark.models.llama import LlamaForCausalLM
 from dspark.models.loader import LoadedModel
-from dspark.sample.sampler import Sampler, SamplingBatch, as_int64, compute_probs
+from dspark.sample.sampler import Sampler, SamplingBatch, as_int64, compute_probs, sampling_row
 from dspark.spec.config import SpeculativeConfig
 from dspark.spec.proposer import Proposer
 from dspark.spec.rejection import verify_greedy, verify_probabilistic
@@ -345,10 +345,14 @@ class ModelRunner:
     def can_launch_async(self, requests: list[Request]) -> bool:
         """Whether a decode step of these requests can run as ``launch`` / ``finish`` (CUDA graphs, no
         speculation; each request greedy or sampled, without penalties (they count output tokens the
-        host does not know yet) or logprobs)."""
+        host does not know yet) or logprobs, and without top-k: the sampler serves top-k rows from
+        their candidates after a host check of ties, which the async path would have to replace by
+        the whole-vocabulary draw (a sort of [B, V] with top-p) every step)."""
+        V = self.vocab_size
         return (self.config.async_scheduling and self.graphs is not None and self.proposer is None
                 and 0 < len(requests) <= self.graphs.max_batch
-                and all(r.params.logprobs is None and spec_eligible_params(r.params) for r in requests))
+                and all(r.params.logprobs is None and spec_eligible_params(r.params)
+                        and (r.params.greedy or sampling_row(r.params, V)[1] >= V) for r in requests))
 
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput, kv: KVCacheManager, prev: InflightStep | None) -> InflightStep:

@@ -123,11 +123,11 @@ def test_kv_pressure_matches_sync(target, prompts):
 
 
 def test_sampled_requests_match_sync(target, prompts):
-    """Seeded sampling (whole vocabulary; top-k candidates; top-p) mixed with a greedy request in the
-    same asynchronously launched steps: the noise is keyed by (seed, position), and the position of a
+    """Seeded sampling (whole vocabulary; top-p; min-p) mixed with a greedy request in the same
+    asynchronously launched steps: the noise is keyed by (seed, position), and the position of a
     sampled token counts the pending placeholders, so the tokens equal the synchronous engine's."""
     params = [SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=3),
-              SamplingParams(temperature=0.8, top_k=5, max_tokens=10, ignore_eos=True, seed=4),
+              SamplingParams(temperature=0.8, min_p=0.05, max_tokens=10, ignore_eos=True, seed=4),
               SamplingParams(temperature=0.7, top_p=0.9, max_tokens=11, ignore_eos=True, seed=5),
               SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)]
     reqs = list(zip(prompts + prompts[:1], params))
@@ -136,7 +136,16 @@ def test_sampled_requests_match_sync(target, prompts):
     got, _, _ = _drive(llm, reqs)
     assert _summary(got) == _summary(want)
     assert llm.engine.runner.graphs.stats["async"] > 0
-    # a penalty (it counts output tokens the host does not have yet) keeps a batch off the async path
-    pen = _llm(target, True)
-    _drive(pen, [(prompts[0], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, repetition_penalty=1.2))])
-    assert pen.engine.runner.graphs.stats["async"] == 0
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, repetition_penalty=1.2),
+                                    SamplingParams(temperature=0.8, top_k=5, max_tokens=6, ignore_eos=True, seed=1),
+                                    SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)],
+                         ids=["penalty", "top-k", "logprobs"])
+def test_requests_that_stay_synchronous(target, prompts, params):
+    """Penalties (they count output tokens the host does not have yet), top-k (candidate sampling
+    checks ties on the host) and logprobs keep a batch off the async path, with the same tokens."""
+    want, _, _ = _drive(_llm(target, False), [(prompts[0], params)])
+    llm = _llm(target, True)
+    got, _, _ = _drive(llm, [(prompts[0], params)])
+    assert _summary(got) == _summary(want) and llm.engine.runner.graphs.stats["async"] == 0
