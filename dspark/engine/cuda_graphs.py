@@ -132,8 +132,9 @@ class StepGraphs:
                               for t in (self.ints, self.floats, self.flags, self.seq_lens, self.block_tables)]
                              for _ in range(2)]
         self._views = [tuple(t.numpy() for t in ts) for ts in self._pinned_sets]
-        # The emitted tokens of an asynchronously launched step, read back through pinned memory (two, in turn).
-        self._token_host = [torch.zeros(Bm, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        # A launched step's read-back through pinned memory (two, in turn): its emitted tokens [Bm, q], the
+        # counts [Bm] and the next drafts [Bm, N] (a plain decode step uses the first Bm).
+        self._token_host = [torch.zeros(Bm * (2 * q), dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._set = 0
         self._use_set(0)
         self.input_ids, self.positions, self.slot_mapping = (self.ints[i * Tm:(i + 1) * Tm] for i in range(3))
@@ -392,6 +393,23 @@ class StepGraphs:
         tokens, probs, _ = self._run(self.draft, (Bg, bucket, any_prob), self._draft_step)
         self.stats["draft"] += 1
         return tokens, probs
+
+    def rows_from_previous_step(self, B: int, shift: torch.Tensor, anchors: torch.Tensor, drafts: torch.Tensor) -> None:
+        """Async scheduling with DSpark (ModelRunner.launch_one_sync with ``prev``): after ``upload``, move
+        the first B requests' rows by ``shift`` [B] (n_out of the previous step - q, <= 0: the host
+        wrote them for the worst case) — positions, seq_lens, tokens before the step — recompute their
+        cache slots from the uploaded block tables, and write their input ids: the new anchor, then
+        the drafts made from it."""
+        q, bs = self.q, self.block_size
+        pos = self.positions[:B * q].view(B, q)
+        pos += shift[:, None]
+        self.seq_lens[:B] += shift.to(self.seq_lens.dtype)
+        self.num_tokens[:B] += shift
+        blk = self.block_tables[:B].gather(1, pos // bs)
+        self.slot_mapping[:B * q].view(B, q).copy_(blk * bs + pos % bs)
+        ids = self.input_ids[:B * q].view(B, q)
+        ids[:, 0] = anchors
+        ids[:, 1:] = drafts
 
     def drafter_inputs_on_device(self, Bg: int, out: torch.Tensor, n_out: torch.Tensor) -> None:
         """The drafter's step inputs from this step's outcome, without the host: request b emitted

@@ -189,6 +189,8 @@ class LLMEngine:
         touched: dict[str, Request] = {r.request_id: r for r in sched.finished}
         if sched.scheduled and self._launchable(sched):
             self._launch(sched, None)
+        elif sched.scheduled and self._launchable_spec(sched):
+            self._inflight = (sched, self.runner.launch_one_sync(sched, self.kv, None))
         elif sched.scheduled:
             result = self.runner.execute(sched, self.kv)
             self.scheduler.update(sched, result.new_tokens)
@@ -200,6 +202,14 @@ class LLMEngine:
                                             for s in sched.scheduled)
                 and self.runner.can_launch_async([s.request for s in sched.scheduled]))
 
+    def _launchable_spec(self, sched) -> bool:
+        """A DSpark verification step that async scheduling can pipeline: every request verifies a full
+        block (q = 1 + N rows) on the one-sync graph path."""
+        G = self.runner.graphs
+        return (G is not None and not sched.preempted
+                and all(s.num_tokens == G.q and s.num_spec_tokens == G.q - 1 and s.samples for s in sched.scheduled)
+                and self.runner.can_launch_spec([s.request for s in sched.scheduled]))
+
     def _launch(self, sched, prev) -> None:
         self._inflight = (sched, self.runner.launch(sched, self.kv, prev))
         self.scheduler.launched(sched)
@@ -209,6 +219,8 @@ class LLMEngine:
         now what it will be (Scheduler.can_continue), then read back step t and apply it."""
         sched, step = self._inflight
         self._inflight = None
+        if step.n_out is not None:
+            return self._step_async_spec(sched, step)
         if self.scheduler.can_continue(sched) and self.runner.can_launch_async([s.request for s in sched.scheduled]):
             nxt = self.scheduler.schedule()
             assert [s.request for s in nxt.scheduled] == [s.request for s in sched.scheduled] and self._launchable(nxt)
@@ -218,6 +230,30 @@ class LLMEngine:
         self._apply(result, self.scheduler.update_async(sched, result.new_tokens), touched)
         if self._inflight is not None and all(s.request.is_finished for s in self._inflight[0].scheduled):
             self.runner.finish(self._inflight[1])  # every request of the next step has ended: drop it
+            self._inflight = None
+        return self._outputs(touched)
+
+    def _step_async_spec(self, sched, step) -> list[RequestOutput]:
+        """``_step_async`` for DSpark verification steps (one-sync graph path): the next block is
+        launched with its rows derived on the device from step t's outcome (ModelRunner.launch_one_sync
+        with ``prev``); the host applies t afterwards as a synchronous step would (Scheduler.update:
+        accepted tokens, rollback, stops), which leaves every request exactly where the launched step
+        assumed it (num_computed = the step's first position, the drafts it verifies)."""
+        reqs = [s.request for s in sched.scheduled]
+        q = self.runner.graphs.q
+        if self.scheduler.can_continue_spec(sched, q) and self.runner.can_launch_spec(reqs):
+            nxt = self.scheduler.reserve_spec(sched, q)
+            self._inflight = (nxt, self.runner.launch_one_sync(nxt, self.kv, step))
+        result = self.runner.finish_one_sync(step)
+        live = {r.request_id for r in reqs if not r.is_finished}  # an abort while the step ran drops its result
+        for part in (result.new_tokens, result.verified, result.drafts):
+            for rid in [rid for rid in part if rid not in live]:
+                del part[rid]
+        self.scheduler.update(sched, result.new_tokens)
+        touched: dict[str, Request] = {}
+        self._apply(result, [r for r in reqs if r.request_id in live], touched)
+        if self._inflight is not None and all(s.request.is_finished for s in self._inflight[0].scheduled):
+            self.runner.finish_one_sync(self._inflight[1])  # every request of the next step has ended: drop it
             self._inflight = None
         return self._outputs(touched)
 

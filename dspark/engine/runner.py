@@ -53,8 +53,12 @@ class InflightStep:
     tokens: torch.Tensor  # [B] int64 on the device: the emitted tokens (the next step's input ids)
     host: torch.Tensor  # [B] pinned host copy of ``tokens``, valid once ``done`` has completed
     done: torch.cuda.Event | None  # recorded after the copy (None on a CPU: everything ran synchronously)
-    timing: list | None  # CUDA events around the target step
+    timing: list | None  # CUDA events around the target step (and the drafter step, one-sync steps)
     t0: float
+    # one-sync steps (launch_one_sync): what the next step's rows are derived from on the device
+    n_out: torch.Tensor | None = None  # [B] tokens emitted per request (accepted drafts + 1)
+    anchors: torch.Tensor | None = None  # [B] each request's last emitted token
+    drafts: torch.Tensor | None = None  # [B, N] the drafts made from it
 
 
 def make_attention_backend(name: str, device: torch.device, batch_invariant: bool = False):
@@ -209,7 +213,7 @@ class ModelRunner:
             tables.append(kv.block_ids(r.request_id))
         graph = self.graphs is not None and self.graphs.covers(scheduled)
         if graph and all(_greedy_plain(s.request.params) for s in scheduled):
-            return self._execute_graph_greedy(scheduled, ids, starts, tables, t0)
+            return self.finish_one_sync(self.launch_one_sync(sched, kv, None))
         taps = layout = block_tables = None
         if graph:
             # Fixed shapes: every request owns q rows, its real ones first (dspark/engine/cuda_graphs.py).
@@ -286,20 +290,52 @@ class ModelRunner:
             result.draft_time_s = time.perf_counter() - t1
         return result
 
-    def _execute_graph_greedy(self, scheduled, ids, starts, tables, t0: float) -> StepResult:
-        """A decode/verify step of greedy requests as CUDA graphs with one read-back: target graph,
+    @torch.inference_mode()
+    def launch_one_sync(self, sched: SchedulerOutput, kv: KVCacheManager, prev: InflightStep | None) -> InflightStep:
+        """A decode/verify step of greedy requests as CUDA graphs, queued without waiting: target graph,
         argmax and greedy verification on the device, the drafter's inputs (committed rows, anchors,
-        anchor positions) derived on the device from the outcome, drafter graph, then one copy of
-        (emitted tokens, counts, next drafts) to the host. The timings are GPU times (CUDA events):
-        verify_time_s = target + verification, draft_time_s = context store + drafting."""
+        anchor positions) derived on the device from the outcome, drafter graph, then one asynchronous
+        copy of (emitted tokens, counts, next drafts) to pinned memory; ``finish_one_sync`` reads it
+        (the step's one synchronisation).
+
+        ``prev`` (async scheduling with DSpark): the one-sync step still in flight, for the very same
+        requests, whose outcome decides this step's rows. The host still sees each request as before
+        ``prev`` (num_computed a, its drafts unverified); this step's q rows really start at
+        a + n_out (1 <= n_out <= q, on the device). The host writes every position-like input for the
+        worst case a + q (bucket, block-table width; the engine reserved KV blocks for it) and the
+        device moves them back by q - n_out, recomputes the slots from the block table, and takes
+        the input ids (the new anchor, then the drafts made from it) from ``prev``'s outputs."""
+        t0 = time.perf_counter()
         G = self.graphs
-        q, B = G.q, len(scheduled)
+        q, B = G.q, len(sched.scheduled)
+        scheduled = sched.scheduled
         reqs = [s.request for s in scheduled]
-        Bg, bucket = G.prepare_target(scheduled, ids, starts, tables, [r.num_tokens for r in reqs])
+        host = G.flip()
+        ids: list[int] = []
+        starts, tables, ntok = [], [], []
+        for s in scheduled:
+            r = s.request
+            a = r.num_computed_tokens
+            if prev is None:
+                b = a + s.num_tokens
+                ids.extend(r.token_ids[a:b] if b <= r.num_tokens else (r.token_ids + r.spec_token_ids)[a:b])
+                starts.append(a)
+                ntok.append(r.num_tokens)
+            else:
+                assert s.num_tokens == q, "a step launched on top of another verifies a full block per request"
+                ids.extend([0] * q)  # written on the device below
+                starts.append(a + q)
+                ntok.append(r.num_tokens + q)
+            tables.append(kv.block_ids(r.request_id))
+        if prev is not None:
+            assert len(prev.scheduled) == B and all(a.request is b.request for a, b in zip(prev.scheduled, scheduled))
+        Bg, bucket = G.prepare_target(scheduled, ids, starts, tables, ntok)
         if G.draft_graphs:
             G.prepare_draft(Bg, list(range(B)), [r.params for r in reqs], [as_int64(r.seed) for r in reqs],
                             [False] * B)
         G.upload(Bg)
+        if prev is not None:
+            G.rows_from_previous_step(B, prev.n_out - q, prev.anchors, prev.drafts)
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)] if self.device.type == "cuda" else None
         if ev:
             ev[0].record()
@@ -311,19 +347,39 @@ class ModelRunner:
         parts = [out.reshape(-1), n_out]
         if ev:
             ev[1].record()
+        anchors = drafts = None
         if G.draft_graphs:
             G.drafter_inputs_on_device(Bg, out, n_out)
             tokens, _ = G.replay_draft(Bg, bucket, False)
             parts.append(tokens[:B].reshape(-1))
+            anchors, drafts = G.anchors[:B].clone(), tokens[:B].clone()  # the graph buffers are reused
         if ev:
             ev[2].record()
-        vals = torch.cat(parts).tolist()  # the step's one synchronisation
+        flat = torch.cat(parts)
+        hb = host[:flat.numel()]
+        hb.copy_(flat, non_blocking=True)
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
         G.stats["one_sync"] += 1
+        if prev is not None:
+            G.stats["async"] += 1
+        return InflightStep(list(scheduled), out, hb, done, ev, t0, n_out=n_out, anchors=anchors, drafts=drafts)
+
+    def finish_one_sync(self, step: InflightStep) -> StepResult:
+        """Wait for a one-sync step (only for it) and turn its read-back into a StepResult. The
+        timings are GPU times (CUDA events): verify_time_s = target + verification, draft_time_s =
+        context store + drafting (wall time on a CPU)."""
+        if step.done is not None:
+            step.done.synchronize()
+        vals = step.host.tolist()
+        q, B = self.graphs.q, len(step.scheduled)
         result = StepResult({})
         n_l = vals[B * q:B * q + B]
         drafts = vals[B * q + B:]
         N = self.num_spec_tokens
-        for b, s in enumerate(scheduled):
+        for b, s in enumerate(step.scheduled):
             r = s.request
             emitted = vals[b * q:b * q + n_l[b]]
             result.new_tokens[r.request_id] = emitted
@@ -334,12 +390,20 @@ class ModelRunner:
                 n = self._num_drafts(r, len(emitted))
                 if n > 0:
                     result.drafts[r.request_id] = drafts[b * N:b * N + n]
+        ev = step.timing
         if ev:
             result.verify_time_s = ev[0].elapsed_time(ev[1]) / 1e3
             result.draft_time_s = ev[1].elapsed_time(ev[2]) / 1e3
         else:
-            result.verify_time_s = time.perf_counter() - t0
+            result.verify_time_s = time.perf_counter() - step.t0
         return result
+
+    def can_launch_spec(self, requests: list[Request]) -> bool:
+        """Whether one-sync steps of these requests can be launched on top of each other (async
+        scheduling with DSpark): drafter graphs, every request greedy with nothing but the argmax
+        needed (no penalties, no logprobs)."""
+        return (self.config.async_scheduling and self.graphs is not None and self.graphs.draft_graphs
+                and 0 < len(requests) <= self.graphs.max_batch and all(_greedy_plain(r.params) for r in requests))
 
     # ------------------------------------------------------------------ async scheduling
     def can_launch_async(self, requests: list[Request]) -> bool:

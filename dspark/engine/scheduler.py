@@ -197,6 +197,37 @@ class Scheduler:
                         - len(self.kv.block_ids(req.request_id)))
         return need <= self.kv.num_free_blocks
 
+    def can_continue_spec(self, out: SchedulerOutput, q: int) -> bool:
+        """``can_continue`` for a DSpark verification step in flight (every request verifying q - 1
+        drafts, its tokens not yet applied): whether the same requests can verify a full block again
+        on top of it (ModelRunner.launch_one_sync with ``prev``): nobody waiting, the same running
+        requests in order, everybody far enough from max_tokens / max_model_len that the step in flight
+        and the next one leave it a full block of drafts (3q tokens of margin), and KV blocks for the
+        worst case (``reserve_spec``) without preempting. No side effects."""
+        if self.waiting or len(self.running) != len(out.scheduled):
+            return False
+        if len(out.scheduled) * q > self.config.max_num_batched_tokens:
+            return False
+        need = 0
+        for s, req in zip(out.scheduled, self.running):
+            if s.request is not req or s.num_tokens != q or req.num_pending:
+                return False
+            if (req.num_output_tokens + 3 * q >= req.params.max_tokens
+                    or req.num_tokens + 3 * q >= self.config.max_model_len):
+                return False
+            need += max(0, self.kv.blocks_needed(req.num_computed_tokens + 2 * q)
+                        - len(self.kv.block_ids(req.request_id)))
+        return need <= self.kv.num_free_blocks
+
+    def reserve_spec(self, out: SchedulerOutput, q: int) -> SchedulerOutput:
+        """After ``can_continue_spec``: KV blocks for the next block of every request at its latest
+        possible start (num_computed + q: all drafts of the step in flight accepted), and the
+        SchedulerOutput of that next step (q rows, q - 1 drafts each)."""
+        for s in out.scheduled:
+            ok = self.kv.allocate_slots(s.request, 2 * q)
+            assert ok, "reserve_spec without can_continue_spec"
+        return SchedulerOutput([ScheduledRequest(s.request, q, q - 1) for s in out.scheduled])
+
     def launched(self, out: SchedulerOutput) -> None:
         """A decode step was launched without waiting for the previous one's tokens: its rows count as
         computed and its tokens as pending placeholders until ``update_async`` puts their values in."""

@@ -149,3 +149,71 @@ def test_requests_that_stay_synchronous(target, prompts, params):
     llm = _llm(target, True)
     got, _, _ = _drive(llm, [(prompts[0], params)])
     assert _summary(got) == _summary(want) and llm.engine.runner.graphs.stats["async"] == 0
+
+
+# ------------------------------------------------------------------------------------------ DSpark
+@pytest.fixture(scope="module")
+def spec_pair(tmp_path_factory):
+    """A target that often repeats its last token and a drafter that always drafts the anchor again
+    (a Markov head of 10 x identity): some blocks are accepted whole, some partly, some not at all,
+    so consecutive verification steps start at varied offsets."""
+    import json
+
+    from dspark.config import ModelConfig
+    from dspark.models.dspark_drafter import (DrafterConfig, drafter_config_dict, random_drafter_state_dict,
+                                              write_drafter)
+
+    root = tmp_path_factory.mktemp("async-spec")
+    t = write_tiny_checkpoint(root / "t", "llama", seed=3, tie_word_embeddings=True, initializer_range=0.1)
+    tc = ModelConfig.from_hf(json.loads((t / "config.json").read_text()))
+    cfg = drafter_config_dict(tc, target_layer_ids=[0], block_size=4, mask_token_id=3, markov_rank=tc.vocab_size)
+    sd = random_drafter_state_dict(DrafterConfig.from_dict(cfg), 0, std=0.2)
+    sd["markov_head.markov_w1.weight"] = torch.eye(tc.vocab_size) * 10.0
+    sd["markov_head.markov_w2.weight"] = torch.eye(tc.vocab_size) * 10.0
+    return t, write_drafter(root / "d", cfg, sd)
+
+
+def _spec_llm(spec_pair, async_: bool) -> LLM:
+    t, d = spec_pair
+    llm = LLM(str(t), device="cpu", block_size=4, num_kv_blocks=128, attention_backend="triton", max_num_seqs=4,
+              async_scheduling=async_, speculative_config={"model": str(d)})
+    llm.engine.runner.enable_graphs(capture=False, batch_sizes=[2, 4], buckets=[32, 64, 128])
+    return llm
+
+
+def test_dspark_steps_launched_on_top_of_each_other(spec_pair, prompts):
+    """Greedy DSpark with async scheduling: block t + 1 is launched before block t is read back, its
+    rows placed on the device from t's accepted count. Same tokens, finish reasons and acceptance as
+    the synchronous engine; stops mid-sequence (the next block's rows discarded); KV pool whole."""
+    free = _spec_llm(spec_pair, False).generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    stop = free[2].token_ids[25]
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=33, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, stop_token_ids=[stop])]
+    reqs = list(zip(prompts, params))
+    ref = _spec_llm(spec_pair, False)
+    want, _, _ = _drive(ref, reqs)
+    llm = _spec_llm(spec_pair, True)
+    got, _, inflight = _drive(llm, reqs)
+    assert _summary(got) == _summary(want)
+    st, ref_st = llm.engine.spec_stats, ref.engine.spec_stats
+    assert (st.num_drafts, st.num_accepted) == (ref_st.num_drafts, ref_st.num_accepted)
+    assert 0 < st.num_accepted < st.num_drafts  # partial acceptance: steps started at varied offsets
+    g = llm.engine.runner.graphs
+    assert g.stats["async"] >= 5 and sum(inflight) >= g.stats["async"]
+    assert ref.engine.runner.graphs.stats["async"] == 0
+
+
+def test_dspark_abort_while_in_flight(spec_pair, prompts):
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    ref = {tuple(p): o.token_ids for p, o in zip(prompts, _spec_llm(spec_pair, False).generate(prompts, params))}
+    seen = {}
+
+    def abort(eng):
+        seen["inflight"] = eng._inflight is not None
+        eng.abort("req-1")
+
+    final, _, _ = _drive(_spec_llm(spec_pair, True), [(p, params) for p in prompts], {4: abort})
+    assert seen == {"inflight": True}
+    assert final["req-1"].finish_reason == "abort"
+    assert final["req-0"].token_ids == ref[tuple(prompts[0])] and final["req-2"].token_ids == ref[tuple(prompts[2])]
