@@ -44,7 +44,7 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
                         "triton attention backend)")
     p.add_argument("--no-async-scheduling", action="store_true",
                    help="wait for each step's tokens before scheduling the next one (by default, with CUDA graphs "
-                        "and no speculation, step t+1 is launched before step t's tokens are read back)")
+                        "(plain decoding; greedy DSpark), step t+1 is launched before step t's tokens are read back)")
 
 
 def _engine_kwargs(a: argparse.Namespace) -> dict:

@@ -98,7 +98,7 @@ class EngineConfig:
     # True: the target's row results do not depend on how many rows a step has (batch-invariant matmul,
     # unsplit attention with fixed key tiles): greedy speculative output equals plain output in bf16 too.
     batch_invariant: bool = False
-    # True: with CUDA graphs and no speculation, the next decode step is launched before the current
+    # True: with CUDA graphs (plain decoding; greedy DSpark), the next step is launched before the current
     # one's tokens are read back, so the host's bookkeeping overlaps the GPU (engine/llm_engine.py).
     async_scheduling: bool = True
 
