@@ -17,6 +17,8 @@ parts (comma-separated, default all):
            default engine and with RoPE + the K/V write inside the attention launch (models/llama.py
            ROPE_IN_ATTENTION; its tokens must equal the default's: bit-identical kernels), plus
            output-major weights when "output_major" is among the parts; tokens identical with async on/off.
+  spec     the same target with the shipped drafter's shapes (random target: drafts mostly rejected, so this
+           times the step pipeline), greedy DSpark with async scheduling on vs off; identical tokens.
 Writes OUT_DIR/fastpath.json and prints a summary.
 """
 
@@ -34,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dspark.kernels import paged_attention as pa  # noqa: E402
 
 out_dir = Path(sys.argv[1])
-parts = sys.argv[2].split(",") if len(sys.argv) > 2 else ["combine", "lmhead", "gemm", "engine"]
+parts = sys.argv[2].split(",") if len(sys.argv) > 2 else ["combine", "lmhead", "gemm", "engine", "spec"]
 out_dir.mkdir(parents=True, exist_ok=True)
 res: dict = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d")}
 dev = torch.device("cuda")
@@ -272,4 +274,55 @@ if "engine" in parts:
     report("engine/rope_in_attention_tokens_identical", rows["rope_in_attention_tokens_identical"])
     res["engine"] = rows
     save()
+if "spec" in parts:
+    # DSpark (the shipped drafter's shapes; random target weights, so drafts are mostly rejected: the
+    # timing of the step pipeline, not of acceptance): async scheduling on vs off, greedy.
+    from dspark import LLM, SamplingParams
+    from dspark.drafters import shipped_drafter
+    from tests.conftest import write_tiny_checkpoint
+
+    tmp = Path(tempfile.mkdtemp())
+    smol = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                rope_theta=100000.0, tie_word_embeddings=True, initializer_range=0.02)
+    target = write_tiny_checkpoint(tmp / "smol", "llama", seed=1, **smol)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(10, 49000, (int(n),), generator=g).tolist() for n in torch.randint(50, 300, (32,), generator=g)]
+    rows, tokens = {}, {}
+    for async_ in (True, False):
+        llm = LLM(str(target), device="cuda", dtype="bfloat16", max_model_len=2048, max_num_seqs=32,
+                  attention_backend="triton", kv_cache_memory_gb=4, async_scheduling=async_,
+                  enable_prefix_caching=False,
+                  speculative_config={"model": str(shipped_drafter("smollm2-135m-instruct"))})
+        row = {}
+        for B, n in ((1, 256), (32, 128)):
+            p = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+            llm.generate(prompts[:B], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+            best = None
+            for _ in range(3):
+                st = llm.engine.spec_stats
+                before = (st.num_steps, st.verify_time_s, st.draft_time_s)
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                outs = llm.generate(prompts[:B], p)
+                torch.cuda.synchronize()
+                dt = time.perf_counter() - t0
+                steps = max(st.num_steps - before[0], 1)
+                cand = {"tok_s": round(B * n / dt, 1), "wall_s": round(dt, 4),
+                        "target_ms_per_step": round(1e3 * (st.verify_time_s - before[1]) / steps * B, 4),
+                        "drafter_ms_per_step": round(1e3 * (st.draft_time_s - before[2]) / steps * B, 4)}
+                if best is None or cand["tok_s"] > best["tok_s"]:
+                    best = cand
+            row[f"B{B}"] = best
+            tokens.setdefault(f"B{B}", []).append([o.token_ids for o in outs])
+        row["async_steps"] = llm.engine.runner.graphs.stats["async"]
+        rows[f"async={async_}"] = row
+        report(f"spec/async={async_}", row)
+        del llm
+        torch.cuda.empty_cache()
+    rows["async_tokens_identical"] = {k: all(x == v[0] for x in v) for k, v in tokens.items()}
+    report("spec/async_tokens_identical", rows["async_tokens_identical"])
+    res["spec"] = rows
+    save()
+
 print("done", flush=True)
