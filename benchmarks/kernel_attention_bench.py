@@ -165,6 +165,11 @@ def run_drafter(configs, dtype, checks, rows) -> None:
         paths = {
             "shared_tile": lambda: drafter_attention(**x, max_ctx_len=ctx),
             "shared_tile_unsplit": lambda: drafter_attention(**x, num_splits=1),
+            # the split count the default heuristic would not pick at batch 12 (it allows ~4 programs
+            # per SM): is the kernel flatter in batch with more, smaller slices?
+            "shared_tile_s8": lambda: drafter_attention(**x, num_splits=8),
+            "shared_tile_s16": lambda: drafter_attention(**x, num_splits=16),
+            "shared_tile_s16_n32": lambda: drafter_attention(**x, num_splits=16, block_n=32),
             "naive": lambda: drafter_attention_naive(**x),
             "torch_sdpa": engine_path,
         }
