@@ -394,6 +394,10 @@ class StepGraphs:
         self.stats["draft"] += 1
         return tokens, probs
 
+    def bucket_for(self, context: int) -> int | None:
+        """The context bucket a step whose longest request reaches ``context`` tokens replays."""
+        return _pick(self.buckets, context)
+
     def rows_from_previous_step(self, B: int, shift: torch.Tensor, anchors: torch.Tensor, drafts: torch.Tensor) -> None:
         """Async scheduling with DSpark (ModelRunner.launch_one_sync with ``prev``): after ``upload``, move
         the first B requests' rows by ``shift`` [B] (n_out of the previous step - q, <= 0: the host

@@ -240,8 +240,14 @@ class LLMEngine:
         accepted tokens, rollback, stops), which leaves every request exactly where the launched step
         assumed it (num_computed = the step's first position, the drafts it verifies)."""
         reqs = [s.request for s in sched.scheduled]
-        q = self.runner.graphs.q
-        if self.scheduler.can_continue_spec(sched, q) and self.runner.can_launch_spec(reqs):
+        G = self.runner.graphs
+        q = G.q
+        # The launched step replays the bucket of its worst case (all drafts accepted); a synchronous
+        # step would replay the bucket of its real context: go on only where the two are the same bucket
+        # (the attention's key split follows the bucket, and with it the rounding).
+        a = max(r.num_computed_tokens for r in reqs)
+        if (self.scheduler.can_continue_spec(sched, q) and self.runner.can_launch_spec(reqs)
+                and G.bucket_for(a + 1 + q) == G.bucket_for(a + 2 * q)):
             nxt = self.scheduler.reserve_spec(sched, q)
             self._inflight = (nxt, self.runner.launch_one_sync(nxt, self.kv, step))
         result = self.runner.finish_one_sync(step)
@@ -250,6 +256,10 @@ class LLMEngine:
             for rid in [rid for rid in part if rid not in live]:
                 del part[rid]
         self.scheduler.update(sched, result.new_tokens)
+        if self._inflight is not None:  # give back the worst case's blocks the launched step does not use
+            for r in reqs:
+                if not r.is_finished:
+                    self.kv.truncate(r, r.num_computed_tokens + q)
         touched: dict[str, Request] = {}
         self._apply(result, [r for r in reqs if r.request_id in live], touched)
         if self._inflight is not None and all(s.request.is_finished for s in self._inflight[0].scheduled):

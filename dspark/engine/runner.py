@@ -51,7 +51,8 @@ class InflightStep:
     """A decode step launched on the device whose tokens the host has not read yet (async scheduling)."""
     scheduled: list  # the ScheduledRequests, in batch order
     tokens: torch.Tensor  # [B] int64 on the device: the emitted tokens (the next step's input ids)
-    host: torch.Tensor  # [B] pinned host copy of ``tokens``, valid once ``done`` has completed
+    host: torch.Tensor  # pinned host copy of the read-back ([B] tokens; one-sync: tokens, counts, drafts),
+    # valid once ``done`` has completed
     done: torch.cuda.Event | None  # recorded after the copy (None on a CPU: everything ran synchronously)
     timing: list | None  # CUDA events around the target step (and the drafter step, one-sync steps)
     t0: float

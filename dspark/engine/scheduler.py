@@ -176,13 +176,22 @@ class Scheduler:
         return finished
 
     # ---------------------------------------------------------------- async scheduling
+    def _may_admit(self, rows: int) -> bool:
+        """Whether ``schedule()`` could admit a waiting request after the running ones took ``rows``
+        tokens: someone waits, a seat is free and budget is left (its admission loop's conditions;
+        whether the KV pool has room is not checked: refusing to continue then costs one bubble).
+        Requests that cannot get a seat do not stop the overlap (a server under load)."""
+        return (bool(self.waiting) and len(self.running) < self.config.max_num_seqs
+                and rows < self.config.max_num_batched_tokens)
+
     def can_continue(self, out: SchedulerOutput) -> bool:
         """Whether the next ``schedule()`` gives every request of ``out`` (a decode step in flight, each
         request holding one pending placeholder) exactly one more decode row, in the same order, and
-        nothing else: no request waits for admission, none is known to end with the pending token
+        nothing else: nobody can be admitted (``_may_admit``), none is known to end with the pending token
         (max_tokens, max_model_len; a stop token or string is only known later, and then the next
-        step's row is discarded), and the KV pool has the blocks without preempting. No side effects."""
-        if self.waiting or len(self.running) != len(out.scheduled):
+        step's row is discarded), and the KV pool has the blocks without preempting (requests waiting
+        for a seat that schedule() could not give them do not matter). No side effects."""
+        if self._may_admit(len(out.scheduled)) or len(self.running) != len(out.scheduled):
             return False
         if len(out.scheduled) > self.config.max_num_batched_tokens:
             return False
@@ -200,11 +209,11 @@ class Scheduler:
     def can_continue_spec(self, out: SchedulerOutput, q: int) -> bool:
         """``can_continue`` for a DSpark verification step in flight (every request verifying q - 1
         drafts, its tokens not yet applied): whether the same requests can verify a full block again
-        on top of it (ModelRunner.launch_one_sync with ``prev``): nobody waiting, the same running
+        on top of it (ModelRunner.launch_one_sync with ``prev``): nobody to admit, the same running
         requests in order, everybody far enough from max_tokens / max_model_len that the step in flight
         and the next one leave it a full block of drafts (3q tokens of margin), and KV blocks for the
         worst case (``reserve_spec``) without preempting. No side effects."""
-        if self.waiting or len(self.running) != len(out.scheduled):
+        if self._may_admit(len(out.scheduled) * q) or len(self.running) != len(out.scheduled):
             return False
         if len(out.scheduled) * q > self.config.max_num_batched_tokens:
             return False

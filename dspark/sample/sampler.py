@@ -115,10 +115,13 @@ class SamplingBatch:
             ):
                 column.append(value)
 
-        float_rows = torch.tensor(floats, dtype=torch.float32).to(device)  # [6, B]
+        # Pinned and non-blocking on CUDA: a blocking copy from pageable memory waits for the whole stream,
+        # which would stall the host behind the step in flight (async scheduling) or the graph just queued.
+        pin = torch.device(device).type == "cuda"
+        float_rows = torch.tensor(floats, dtype=torch.float32, pin_memory=pin).to(device, non_blocking=pin)  # [6, B]
         int_rows = torch.tensor(
-            [top_k, [as_int64(s) for s in seeds], positions], dtype=torch.int64
-        ).to(device)  # [3, B]
+            [top_k, [as_int64(s) for s in seeds], positions], dtype=torch.int64, pin_memory=pin
+        ).to(device, non_blocking=pin)  # [3, B]
         temperature, top_p_t, min_p_t, repetition, frequency, presence = float_rows.unbind(0)
         top_k_t, seeds_t, positions_t = int_rows.unbind(0)
 

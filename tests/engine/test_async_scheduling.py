@@ -31,11 +31,35 @@ def prompts():
     return [torch.randint(4, 512, (n,), generator=g).tolist() for n in (3, 9, 26)]
 
 
-def _llm(target, async_: bool, num_kv_blocks: int = 64) -> LLM:
+def _llm(target, async_: bool, num_kv_blocks: int = 64, tok: bool = False, **kw) -> LLM:
     llm = LLM(str(target), device="cpu", block_size=4, num_kv_blocks=num_kv_blocks, attention_backend="triton",
-              max_num_seqs=4, async_scheduling=async_)
+              async_scheduling=async_, **{"max_num_seqs": 4, **kw})
     llm.engine.runner.enable_graphs(capture=False, batch_sizes=[2, 4], buckets=[16, 32, 64])
+    if tok:
+        llm.engine.tokenizer = CharTok()
     return llm
+
+
+class CharTok:
+    """Token id -> one letter: enough for stop strings and the detokenizer; fails loudly if a pending
+    placeholder is ever decoded."""
+
+    chat_template = None
+
+    def decode(self, ids, skip_special_tokens=True):
+        assert all(i >= 0 for i in ids), "a pending placeholder reached the tokenizer"
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
+def _check_invariants(eng) -> None:
+    """After every step(): the KV pool whole; placeholders only at the end of token_ids, at most two
+    with a step in flight (the step read back next and the one after it), none otherwise."""
+    eng.kv.check_integrity()
+    inflight = eng._inflight is not None
+    for r in eng.scheduler.running:
+        assert 0 <= r.num_pending <= (2 if inflight else 0)
+        assert PENDING_TOKEN not in r.token_ids[:r.num_real_tokens]
+        assert all(t == PENDING_TOKEN for t in r.token_ids[r.num_real_tokens:])
 
 
 def _drive(llm: LLM, requests, events=None) -> tuple[dict, dict, list]:
@@ -44,7 +68,7 @@ def _drive(llm: LLM, requests, events=None) -> tuple[dict, dict, list]:
     ids}, [whether a step was in flight before each call])."""
     eng = llm.engine
     ids = [eng.add_request(p, sp) for p, sp in requests]
-    final, streamed, inflight = {}, {}, []
+    final, streamed, text, inflight = {}, {}, {}, []
     n = 0
     while len(final) < len(ids) or events:
         if events and n in events:
@@ -53,19 +77,21 @@ def _drive(llm: LLM, requests, events=None) -> tuple[dict, dict, list]:
         for out in eng.step():
             assert PENDING_TOKEN not in out.token_ids and PENDING_TOKEN not in out.delta_token_ids
             streamed.setdefault(out.request_id, []).extend(out.delta_token_ids)
-            assert streamed[out.request_id] == out.token_ids  # deltas add up to the tokens so far
+            text[out.request_id] = text.get(out.request_id, "") + out.delta_text
+            assert streamed[out.request_id] == out.token_ids and text[out.request_id] == out.text
             if out.finished:
                 assert out.request_id not in final, "a request reported finished twice"
                 final[out.request_id] = out
+        _check_invariants(eng)
         n += 1
         assert n < 500
     assert set(final) == set(ids)
-    assert eng.kv.check_integrity()["in_use"] == 0
+    assert eng.kv.check_integrity()["in_use"] == 0 and eng._inflight is None
     return final, streamed, inflight
 
 
 def _summary(final: dict) -> dict:
-    return {rid: (o.token_ids, o.finish_reason, o.stop_reason) for rid, o in final.items()}
+    return {rid: (o.token_ids, o.finish_reason, o.stop_reason, o.text) for rid, o in final.items()}
 
 
 def test_stops_match_sync(target, prompts):
@@ -149,6 +175,80 @@ def test_requests_that_stay_synchronous(target, prompts, params):
     llm = _llm(target, True)
     got, _, _ = _drive(llm, [(prompts[0], params)])
     assert _summary(got) == _summary(want) and llm.engine.runner.graphs.stats["async"] == 0
+
+
+def test_stop_strings_and_max_model_len_match_sync(target, prompts):
+    """Stop strings (found by the detokenizer after the read-back, while the next step is in flight),
+    with and without include_stop_str_in_output, and the max_model_len stop: as without async."""
+    four = prompts + [prompts[1][:8]]
+    free, _, _ = _drive(_llm(target, False, tok=True),
+                        [(p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)) for p in four])
+    texts = [free[f"req-{i}"].text for i in range(4)]
+    G = dict(temperature=0, ignore_eos=True)
+    reqs = [(four[0], SamplingParams(max_tokens=12, stop=[texts[0][4:6]], **G)),
+            (four[1], SamplingParams(max_tokens=12, stop=[texts[1][2:5]], include_stop_str_in_output=True, **G)),
+            (four[2], SamplingParams(max_tokens=30, **G)),  # 26 + 14 = max_model_len 40: 'length'
+            (four[3], SamplingParams(temperature=0.9, seed=3, max_tokens=9, stop=[texts[3][0:1]]))]
+    want, _, _ = _drive(_llm(target, False, tok=True, max_model_len=40), reqs)
+    llm = _llm(target, True, tok=True, max_model_len=40)
+    got, _, _ = _drive(llm, reqs)
+    assert _summary(got) == _summary(want)
+    assert llm.engine.runner.graphs.stats["async"] > 0
+    assert [o.finish_reason for o in want.values()].count("stop") >= 2
+
+
+def test_prefix_hit_admission_and_abort_everything(target, prompts):
+    """A prompt already cached in full arrives while a step is in flight (admitted with one row, then
+    launched asynchronously); then every request is aborted while a step is in flight: each reports
+    'abort' once, nothing stays in flight, no block leaks, and the engine serves the next request."""
+    P = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    short = prompts[1][:8]  # block-aligned: cached in full after the first request
+    again = {5: lambda eng: [eng.add_request(short, P), eng.add_request(prompts[1], P)]}
+    want, _, _ = _drive(_llm(target, False), [(short, P), (prompts[1], P)], dict(again))
+    llm = _llm(target, True)
+    got, _, _ = _drive(llm, [(short, P), (prompts[1], P)], dict(again))
+    assert _summary(got) == _summary(want) and llm.engine.kv.prefix_hit_rate > 0
+    eng = llm.engine
+    for p in prompts:
+        eng.add_request(p, P)
+    for _ in range(3):
+        eng.step()
+    assert eng._inflight is not None
+    for rid in list(eng.requests):
+        eng.abort(rid)
+    outs = eng.step()  # the aborts are reported by the next step()
+    assert sorted(o.finish_reason for o in outs) == ["abort"] * 3 and eng._inflight is None and not eng.requests
+    assert eng.kv.check_integrity()["in_use"] == 0
+    final, _, _ = _drive(llm, [(short, P)])
+    assert [o.token_ids for o in final.values()] == [want["req-0"].token_ids]
+
+
+def test_overlap_while_requests_wait_for_a_seat(target, prompts):
+    """Under load (more requests than max_num_seqs), steps still overlap: a request that schedule()
+    could not seat does not stop the pipeline (Scheduler._may_admit)."""
+    P = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    reqs = [(p, P) for p in prompts + prompts[:1]]
+    want, _, _ = _drive(_llm(target, False, max_num_seqs=2), reqs)
+    llm = _llm(target, True, max_num_seqs=2)
+    on_top, orig = [], llm.engine.runner.launch
+    llm.engine.runner.launch = lambda sched, kv, prev: (on_top.append(prev is not None), orig(sched, kv, prev))[1]
+    eng = llm.engine
+    ids = [eng.add_request(p, sp) for p, sp in reqs]
+    final = {}
+    while len(final) < len(ids):
+        waiting = len(eng.scheduler.waiting)
+        for out in eng.step():
+            if out.finished:
+                final[out.request_id] = out
+        if waiting and on_top and on_top[-1]:
+            break  # a step was launched on top of another while requests waited
+    else:
+        pytest.fail("no step overlapped while requests waited")
+    while eng.has_unfinished() or eng.requests:
+        for out in eng.step():
+            if out.finished:
+                final[out.request_id] = out
+    assert _summary(final) == _summary(want)
 
 
 # ------------------------------------------------------------------------------------------ DSpark
