@@ -277,7 +277,7 @@ def _spec_llm(spec_pair, async_: bool) -> LLM:
     t, d = spec_pair
     llm = LLM(str(t), device="cpu", block_size=4, num_kv_blocks=128, attention_backend="triton", max_num_seqs=4,
               async_scheduling=async_, speculative_config={"model": str(d)})
-    llm.engine.runner.enable_graphs(capture=False, batch_sizes=[2, 4], buckets=[32, 64, 128])
+    llm.engine.runner.enable_graphs(capture=False, batch_sizes=[2, 4], buckets=[64, 128])
     return llm
 
 
