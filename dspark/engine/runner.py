@@ -358,15 +358,21 @@ class ModelRunner:
             ev[2].record()
         flat = torch.cat(parts)
         hb = host[:flat.numel()]
-        hb.copy_(flat, non_blocking=True)
-        done = None
-        if self.device.type == "cuda":
-            done = torch.cuda.Event()
-            done.record()
+        done = self._copy_back(hb, flat)
         G.stats["one_sync"] += 1
         if prev is not None:
             G.stats["async"] += 1
         return InflightStep(list(scheduled), out, hb, done, ev, t0, n_out=n_out, anchors=anchors, drafts=drafts)
+
+    def _copy_back(self, host: torch.Tensor, values: torch.Tensor) -> torch.cuda.Event | None:
+        """Queue the copy of a launched step's results to pinned host memory; the event marks its end
+        (None on a CPU, where it is already done)."""
+        host.copy_(values, non_blocking=True)
+        if self.device.type != "cuda":
+            return None
+        done = torch.cuda.Event()
+        done.record()
+        return done
 
     def finish_one_sync(self, step: InflightStep) -> StepResult:
         """Wait for a one-sync step (only for it) and turn its read-back into a StepResult. The
@@ -456,11 +462,7 @@ class ModelRunner:
             tokens = self.sampler(logits, self._sampling_batch(reqs, [r.num_tokens for r in reqs]), no_sync=True)
         if timing:
             timing[1].record()
-        host.copy_(tokens, non_blocking=True)
-        done = None
-        if self.device.type == "cuda":
-            done = torch.cuda.Event()
-            done.record()
+        done = self._copy_back(host, tokens)
         G.stats["async"] += 1
         return InflightStep(list(scheduled), tokens, host, done, timing, t0)
 

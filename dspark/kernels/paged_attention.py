@@ -158,6 +158,24 @@ def _combine_splits_kernel(
 
 
 @triton.jit
+def _rope_rows(row_ptr, pos, row_ok, d, cos_ptr, sin_ptr, stride_cs, norm_ptr, eps,
+               HAS_NORM: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """fused_ops._rope_cache_kernel's treatment of one head's rows: load rows [M, D] at row_ptr [M, 1]
+    (masked by row_ok), optional per-head RMSNorm, RoPE at positions pos [M], every rounding of the eager
+    path kept (HEAD_DIM a power of two)."""
+    dr = (d + HEAD_DIM // 2) % HEAD_DIM
+    m = row_ok[:, None]
+    x = tl.load(row_ptr + d[None, :], mask=m, other=0.0)
+    xr = tl.load(row_ptr + dr[None, :], mask=m, other=0.0)
+    if HAS_NORM:
+        x, xr = _head_norm(x, xr, norm_ptr, d, dr, eps, HEAD_DIM)
+    dt = x.dtype
+    c = cast_rtne(tl.load(cos_ptr + pos[:, None] * stride_cs + d[None, :]).to(tl.float32), dt).to(tl.float32)
+    s = cast_rtne(tl.load(sin_ptr + pos[:, None] * stride_cs + d[None, :]).to(tl.float32), dt).to(tl.float32)
+    return _rope(x, xr, c, s)
+
+
+@triton.jit
 def _combine_in_last_program(part_ptr, lse_ptr, final_ptr, counter_ptr, t, head, row_ok, d, d_ok,
                              stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_ft, stride_fh,
                              NUM_SPLITS: tl.constexpr):
@@ -241,19 +259,10 @@ def _paged_attention_kernel(
         row_ok = (r < BLOCK_Q * G) & (qi < n_q)
         q_pos = ctx_len + qi
         t = q_start + qi
-        if ROPE_IN:  # as fused_ops._rope_cache_kernel does for q (HEAD_DIM is a power of two here)
-            dr = (d + HEAD_DIM // 2) % HEAD_DIM
-            qm = row_ok[:, None]
-            q_off = q_ptr + t[:, None] * stride_qt + head[:, None] * stride_qh
-            x = tl.load(q_off + d[None, :], mask=qm, other=0.0)
-            xr = tl.load(q_off + dr[None, :], mask=qm, other=0.0)
-            if HAS_QNORM:
-                x, xr = _head_norm(x, xr, qn_ptr, d, dr, eps, HEAD_DIM)
+        if ROPE_IN:  # as fused_ops._rope_cache_kernel does for q
             rp = tl.load(pos_ptr + t, mask=row_ok, other=0).to(tl.int64)
-            dt = x.dtype
-            cq = cast_rtne(tl.load(cos_ptr + rp[:, None] * stride_cs + d[None, :]).to(tl.float32), dt).to(tl.float32)
-            sq = cast_rtne(tl.load(sin_ptr + rp[:, None] * stride_cs + d[None, :]).to(tl.float32), dt).to(tl.float32)
-            q = _rope(x, xr, cq, sq)
+            q = _rope_rows(q_ptr + t[:, None] * stride_qt + head[:, None] * stride_qh, rp, row_ok, d,
+                           cos_ptr, sin_ptr, stride_cs, qn_ptr, eps, HAS_QNORM, HEAD_DIM)
         else:
             q = tl.load(q_ptr + t[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                         mask=row_ok[:, None] & d_ok[None, :], other=0.0)
@@ -263,23 +272,15 @@ def _paged_attention_kernel(
         lo = split * split_len
         hi = tl.minimum(lo + split_len, kv_end)
         if ROPE_IN:  # the new tokens' K (rotated) and V of this slice, this KV head, into the cache
-            drk = (d + HEAD_DIM // 2) % HEAD_DIM
             for p0 in range(tl.maximum(lo, ctx_len), hi, BLOCK_N):
                 p = p0 + n
                 p_ok = p < hi
                 tk = q_start + (p - ctx_len)
                 slot = tl.load(slot_ptr + tk, mask=p_ok, other=-1).to(tl.int64)
                 w_ok = p_ok & (slot >= 0)
-                k_off = k_new_ptr + tk[:, None] * sk_t + kvh * sk_h
-                kx = tl.load(k_off + d[None, :], mask=p_ok[:, None], other=0.0)
-                kxr = tl.load(k_off + drk[None, :], mask=p_ok[:, None], other=0.0)
-                if HAS_KNORM:
-                    kx, kxr = _head_norm(kx, kxr, kn_ptr, d, drk, eps, HEAD_DIM)
                 kp = tl.load(pos_ptr + tk, mask=p_ok, other=0).to(tl.int64)
-                kdt = kx.dtype
-                ck = cast_rtne(tl.load(cos_ptr + kp[:, None] * stride_cs + d[None, :]).to(tl.float32), kdt).to(tl.float32)
-                sk = cast_rtne(tl.load(sin_ptr + kp[:, None] * stride_cs + d[None, :]).to(tl.float32), kdt).to(tl.float32)
-                kx = _rope(kx, kxr, ck, sk)
+                kx = _rope_rows(k_new_ptr + tk[:, None] * sk_t + kvh * sk_h, kp, p_ok, d,
+                                cos_ptr, sin_ptr, stride_cs, kn_ptr, eps, HAS_KNORM, HEAD_DIM)
                 blk = slot // PAGE
                 cache_k = blk * stride_kb + (slot % PAGE) * stride_kt + kvh * stride_kh
                 cache_v = blk * stride_vb + (slot % PAGE) * stride_vt + kvh * stride_vh
