@@ -64,6 +64,25 @@ def batch(B, ctx, q, page=16, Hq=9, Hkv=3, D=64, seed=0):
     return qt, kc, vc, table, seq_lens, qsl
 
 
+def graph_us(fn, per_graph: int = 30, replays: int = 20) -> float:
+    """µs per call of ``fn``: captured ``per_graph`` times in one CUDA graph (as layers are), replayed."""
+    fn()
+    torch.cuda.synchronize()
+    gr = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(gr):
+        for _ in range(per_graph):
+            fn()
+    gr.replay()
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(replays):
+        gr.replay()
+    e1.record()
+    torch.cuda.synchronize()
+    return round(e0.elapsed_time(e1) * 1e3 / replays / per_graph, 2)
+
+
 def smol_target():
     """A random-weight checkpoint of SmolLM2-135M's shapes and 32 random prompts of 50-300 tokens."""
     from tests.conftest import write_tiny_checkpoint
@@ -156,23 +175,8 @@ if "combine" in parts:
                 row = {}
                 for fuse in (False, True):
                     o = torch.empty_like(qt)
-                    attend(qt, kc, vc, table, seq_lens, qsl, q, bucket, fuse, o)
-                    torch.cuda.synchronize()
-                    gr = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(gr):
-                        for _ in range(30):
-                            attend(qt, kc, vc, table, seq_lens, qsl, q, bucket, fuse, o)
-                    for _ in range(5):
-                        gr.replay()
-                    torch.cuda.synchronize()
-                    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    e0.record()
-                    for _ in range(50):
-                        gr.replay()
-                    e1.record()
-                    torch.cuda.synchronize()
-                    row["fused_us" if fuse else "two_launch_us"] = round(e0.elapsed_time(e1) * 1e3 / 50 / 30, 2)
-                    del gr
+                    row["fused_us" if fuse else "two_launch_us"] = graph_us(
+                        lambda: attend(qt, kc, vc, table, seq_lens, qsl, q, bucket, fuse, o), replays=50)
                 row["splits"] = pa.default_num_splits(B * 3, dev, bucket, 64 if q == 1 else 128)
                 timing[f"q{q}_B{B}_ctx{ctx}"] = row
                 report(f"combine/q{q}_B{B}_ctx{ctx}", row)
@@ -195,22 +199,7 @@ if "lmhead" in parts:
             rows["out_dtype_error"] = f"{type(e).__name__}: {str(e)[:200]}"
         row = {}
         for name, fn in variants.items():
-            fn()
-            torch.cuda.synchronize()
-            gr = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(gr):
-                for _ in range(30):
-                    y = fn()
-            gr.replay()
-            torch.cuda.synchronize()
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            for _ in range(20):
-                gr.replay()
-            e1.record()
-            torch.cuda.synchronize()
-            row[f"{name}_us"] = round(e0.elapsed_time(e1) * 1e3 / 20 / 30, 2)
-            del gr
+            row[f"{name}_us"] = graph_us(fn)
         if "bf16_out_fp32" in variants:
             a, b = variants["fp32"](), variants["bf16_out_fp32"]()
             row["max_abs_diff"] = (a - b).abs().max().item()
@@ -230,22 +219,7 @@ if "gemm" in parts:
             x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
             row = {}
             for name, w in (("input_major", w_in), ("output_major", w_out)):
-                torch.matmul(x, w)
-                torch.cuda.synchronize()
-                gr = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(gr):
-                    for _ in range(30):
-                        y = torch.matmul(x, w)
-                gr.replay()
-                torch.cuda.synchronize()
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                for _ in range(30):
-                    gr.replay()
-                e1.record()
-                torch.cuda.synchronize()
-                row[f"{name}_us"] = round(e0.elapsed_time(e1) * 1e3 / 30 / 30, 2)
-                del gr
+                row[f"{name}_us"] = graph_us(lambda: torch.matmul(x, w), replays=30)
             row["equal"] = bool(torch.equal(torch.matmul(x, w_in), torch.matmul(x, w_out)))
             rows[f"K{K}_N{N}_M{M}"] = row
             report(f"gemm/K{K}_N{N}_M{M}", row)

@@ -125,16 +125,23 @@ def test_fused_forward_without_taps_and_needs_triton_backend(checkpoint):
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 
+def engine_case(checkpoint, tmp_path_factory, name: str) -> tuple[list[list[int]], dict]:
+    """Two prompts and the engine kwargs of the whole-engine tests: a random drafter tapping the
+    target (verification rows, rollbacks) and a small token budget (chunked prefill)."""
+    arch, path, _ = checkpoint
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(4, 512, (n,), generator=g).tolist() for n in (9, 3)]
+    d = random_drafter(tmp_path_factory.mktemp("fused") / f"{name}-{arch}", path, target_layer_ids=ARCHS[arch][2],
+                       block_size=4)
+    return prompts, dict(device="cpu", block_size=4, num_kv_blocks=48, max_num_batched_tokens=8,
+                         speculative_config={"model": str(d)})
+
+
 def test_engine_fused_matches_torch_backend(checkpoint, tmp_path_factory):
     """Greedy tokens of the fused Triton engine equal the PyTorch backend's, with chunked prefill and
     DSpark speculation (a random drafter tapping the target: verification rows and rollbacks)."""
-    arch, path, taps = checkpoint
-    g = torch.Generator().manual_seed(4)
-    prompts = [torch.randint(4, 512, (n,), generator=g).tolist() for n in (9, 3)]
-    d = random_drafter(tmp_path_factory.mktemp("fused") / f"d-{arch}", path, target_layer_ids=ARCHS[arch][2],
-                       block_size=4)
-    kw = dict(device="cpu", block_size=4, num_kv_blocks=48, max_num_batched_tokens=8,
-              speculative_config={"model": str(d)})
+    path = checkpoint[1]
+    prompts, kw = engine_case(checkpoint, tmp_path_factory, "d")
     ref = LLM(str(path), attention_backend="torch", **kw)
     want = [o.token_ids for o in ref.generate(prompts, GREEDY)]
     llm = LLM(str(path), attention_backend="triton", **kw)
@@ -171,16 +178,11 @@ def test_rope_in_the_attention_launch_matches(checkpoint):
 def test_engine_rope_in_attention_matches(checkpoint, tmp_path_factory):
     """Whole engine with DSpark (verification rows, rollbacks, chunked prefill): the same greedy tokens
     and acceptance with RoPE inside the attention launch as without."""
-    arch, path, taps = checkpoint
-    g = torch.Generator().manual_seed(4)
-    prompts = [torch.randint(4, 512, (n,), generator=g).tolist() for n in (9, 3)]
-    d = random_drafter(tmp_path_factory.mktemp("fused") / f"dr-{arch}", path, target_layer_ids=ARCHS[arch][2],
-                       block_size=4)
-    kw = dict(device="cpu", block_size=4, num_kv_blocks=48, max_num_batched_tokens=8,
-              speculative_config={"model": str(d)}, attention_backend="triton")
+    path = checkpoint[1]
+    prompts, kw = engine_case(checkpoint, tmp_path_factory, "dr")
     runs = []
     for on in (False, True):
-        llm = LLM(str(path), **kw)
+        llm = LLM(str(path), attention_backend="triton", **kw)
         llm.engine.runner.model.rope_in_attention = on
         runs.append(([o.token_ids for o in llm.generate(prompts, GREEDY)],
                      (llm.engine.spec_stats.num_drafts, llm.engine.spec_stats.num_accepted)))
