@@ -8,13 +8,16 @@ Three systems run the same token-id batches:
   dspark_spec   dspark with DSpark (the drafter dspark ships for the model, or --speculative-config).
 over batch sizes x prompt sets (held-out ShareGPT, built-in code prompts) x temperatures (greedy, 1.0).
 
-One cell = (system, prompt set, temperature, batch size): the batch is the set's first B prompts
-(chat-templated; cycled when the set is smaller than B), all submitted at once (``LLM.generate`` /
-one ``generate`` call), every request generating exactly ``max_tokens`` tokens (EOS ignored on both
-sides). Each cell does ``--warmup`` untimed calls; then timed calls alternate between the systems,
-so machine noise hits all alike. tok/s = new tokens / wall time of the whole call (prefill included,
-the same work for every system); tok/s per user = max_tokens / wall time. The device is synchronised
-before and after each timed call.
+One cell = (system, prompt set, temperature, batch size B): ``--cell-prompts`` N prompts of the set
+(chat-templated; cycled when the set is smaller), run as ceil(max(N, B) / B) consecutive waves of B
+prompts, each wave submitted at once (``LLM.generate`` / one ``generate`` call), every request
+generating exactly ``max_tokens`` tokens (EOS ignored on both sides). Waves make the small batch
+sizes measure several prompts (τ, and so DSpark's speed, varies a lot from prompt to prompt: one
+prompt at batch 1 is not a figure). Each cell does ``--warmup`` untimed calls (of its first wave);
+then timed calls (all waves) alternate between the systems, so machine noise hits all alike.
+tok/s = new tokens / wall time of the waves (prefill included, the same work for every system);
+tok/s per user = max_tokens / wall time of one wave. The device is synchronised before and after
+each timed call.
 
 Step-time breakdown (dspark, per ``LLMEngine.step`` call, prefill steps included): target = the
 runner's input build + target forward + sampling/verification (``spec_stats.verify_time_s``),
@@ -50,8 +53,8 @@ PROMPT_SETS = ("sharegpt", "code")
 HF_MODES = ("auto", "eager", "static-compiled")
 # Defaults by device kind: the GPU run is the real figure, the CPU one a small smoke run.
 DEVICE_DEFAULTS = {
-    "cuda": dict(batch_sizes=[1, 8, 32, 128], max_tokens=256, max_prompt_tokens=1024),
-    "cpu": dict(batch_sizes=[1, 4], max_tokens=32, max_prompt_tokens=256),
+    "cuda": dict(batch_sizes=[1, 8, 32, 128], max_tokens=256, max_prompt_tokens=1024, cell_prompts=16),
+    "cpu": dict(batch_sizes=[1, 4], max_tokens=32, max_prompt_tokens=256, cell_prompts=1),
 }
 
 
@@ -62,7 +65,11 @@ def add_bench_matrix_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated from: sharegpt (held-out ShareGPT prompts), code (built-in) (default: both)")
     add_prompt_source_args(p)
     p.add_argument("--num-prompts", type=int, default=None,
-                   help="prompts per set (default: the largest batch size; smaller sets are cycled)")
+                   help="prompts per set (default: the largest of the batch sizes and --cell-prompts; "
+                        "smaller sets are cycled)")
+    p.add_argument("--cell-prompts", type=int, default=None,
+                   help="prompts per cell, run in consecutive waves of the batch size (default: 16 on CUDA, "
+                        "1 on CPU; a cell runs at least one full batch)")
     p.add_argument("--temperatures", default="0,1", help="comma-separated; 0 = greedy (default: 0,1)")
     p.add_argument("--max-tokens", type=int, default=None,
                    help="new tokens per request, EOS ignored (default: 256 on CUDA, 32 on CPU)")
@@ -79,7 +86,7 @@ def add_bench_matrix_arguments(p: argparse.ArgumentParser) -> None:
 # ---------------------------------------------------------------------------------------- systems
 @dataclass
 class Run:
-    """One timed call of one system on one batch."""
+    """One timed call of one system on one cell (its waves merged)."""
 
     wall_s: float
     token_ids: list[list[int]]  # [B][max_tokens]
@@ -199,8 +206,23 @@ def prompt_ids(engine, texts: list[str], n: int, max_prompt_tokens: int) -> list
     return out
 
 
-def batch_of(prompts: list[list[int]], b: int) -> list[list[int]]:
-    return [prompts[i % len(prompts)] for i in range(b)]
+def batch_of(prompts: list[list[int]], b: int, start: int = 0) -> list[list[int]]:
+    return [prompts[(start + i) % len(prompts)] for i in range(b)]
+
+
+def waves_of(prompts: list[list[int]], b: int, cell_prompts: int) -> list[list[list[int]]]:
+    """ceil(max(cell_prompts, b) / b) consecutive batches of b prompts (cycling through the set)."""
+    return [batch_of(prompts, b, w * b) for w in range(-(-max(cell_prompts, b) // b))]
+
+
+def run_waves(system, waves: list[list[list[int]]], temperature: float, max_tokens: int) -> Run:
+    """The waves one after another, merged into one Run (times, steps and counts summed)."""
+    runs = [system.run(w, temperature, max_tokens) for w in waves]
+    merged = Run(sum(r.wall_s for r in runs), [ids for r in runs for ids in r.token_ids], sum(r.steps for r in runs),
+                 spec_steps=sum(r.spec_steps for r in runs), spec_accepted=sum(r.spec_accepted for r in runs))
+    if runs[0].target_s is not None:
+        merged.target_s, merged.drafter_s = sum(r.target_s for r in runs), sum(r.drafter_s for r in runs)
+    return merged
 
 
 # ---------------------------------------------------------------------------------------- cells
@@ -212,10 +234,11 @@ def make_cell(system: str, label: str, key: dict, runs: list[Run], batch_size: i
     wall = statistics.median(r.wall_s for r in runs)
     steps = sum(r.steps for r in runs)
     wall_total = sum(r.wall_s for r in runs)
+    waves = len(runs[0].token_ids) // batch_size
     cell = dict(
-        system=system, label=label, **key, batch_size=batch_size, max_tokens=max_tokens,
-        wall_s=wall, wall_s_runs=[r.wall_s for r in runs],
-        tok_s_total=batch_size * max_tokens / wall, tok_s_per_user=max_tokens / wall,
+        system=system, label=label, **key, batch_size=batch_size, max_tokens=max_tokens, waves=waves,
+        num_prompts=len(runs[0].token_ids), wall_s=wall, wall_s_runs=[r.wall_s for r in runs],
+        tok_s_total=waves * batch_size * max_tokens / wall, tok_s_per_user=waves * max_tokens / wall,
         tau=None, steps_per_run=steps / len(runs), ms_per_step=1000 * wall_total / steps,
         target_ms_per_step=None, drafter_ms_per_step=None, host_ms_per_step=None,
         speedup_vs_plain=None, speedup_vs_hf=None, tokens_sha256=tokens_hash(runs[0].token_ids),
@@ -341,7 +364,10 @@ def run_bench_matrix(a: argparse.Namespace) -> int:
     prompt_sets = [x.strip() for x in a.prompt_sets.split(",") if x.strip()]
     if not batch_sizes or min(batch_sizes) < 1 or not temperatures or not prompt_sets or a.runs < 1:
         raise ValueError("need batch sizes >= 1, at least one temperature and prompt set, and --runs >= 1")
-    num_prompts = a.num_prompts or max(batch_sizes)
+    cell_prompts = a.cell_prompts or defaults["cell_prompts"]
+    if cell_prompts < 1:
+        raise ValueError("--cell-prompts must be >= 1")
+    num_prompts = a.num_prompts or max(*batch_sizes, cell_prompts)
     texts = {ps: prompt_texts(ps, a.prompt_source) for ps in prompt_sets}  # errors before any loading
 
     kw = _engine_kwargs(a)
@@ -395,6 +421,7 @@ def run_bench_matrix(a: argparse.Namespace) -> int:
         "max_tokens": max_tokens,
         "warmup": a.warmup,
         "runs": a.runs,
+        "cell_prompts": cell_prompts,
         "cells": cells,
         "greedy_checks": [],
     }
@@ -409,14 +436,14 @@ def run_bench_matrix(a: argparse.Namespace) -> int:
     for ps in prompt_sets:
         for t in temperatures:
             for b in batch_sizes:
-                batch = batch_of(prompts[ps], b)
+                waves = waves_of(prompts[ps], b, cell_prompts)
                 for s in systems.values():
                     for _ in range(a.warmup):
-                        s.run(batch, t, max_tokens)
+                        s.run(waves[0], t, max_tokens)
                 runs: dict[str, list[Run]] = {name: [] for name in systems}
                 for _ in range(a.runs):
                     for name, s in systems.items():
-                        runs[name].append(s.run(batch, t, max_tokens))
+                        runs[name].append(run_waves(s, waves, t, max_tokens))
                 key = dict(prompt_set=ps, temperature=t)
                 new = [make_cell(n, labels[n], key, r, b, max_tokens) for n, r in runs.items()]
                 cells.extend(new)
