@@ -8,16 +8,21 @@ Three systems run the same token-id batches:
   dspark_spec   dspark with DSpark (the drafter dspark ships for the model, or --speculative-config).
 over batch sizes x prompt sets (held-out ShareGPT, built-in code prompts) x temperatures (greedy, 1.0).
 
-One cell = (system, prompt set, temperature, batch size B): ``--cell-prompts`` N prompts of the set
-(chat-templated; cycled when the set is smaller), run as ceil(max(N, B) / B) consecutive waves of B
-prompts, each wave submitted at once (``LLM.generate`` / one ``generate`` call), every request
-generating exactly ``max_tokens`` tokens (EOS ignored on both sides). Waves make the small batch
-sizes measure several prompts (τ, and so DSpark's speed, varies a lot from prompt to prompt: one
-prompt at batch 1 is not a figure). Each cell does ``--warmup`` untimed calls (of its first wave);
-then timed calls (all waves) alternate between the systems, so machine noise hits all alike.
-tok/s = new tokens / wall time of the waves (prefill included, the same work for every system);
-tok/s per user = max_tokens / wall time of one wave. The device is synchronised before and after
-each timed call.
+One cell = (system, prompt set, temperature, batch size B): N prompts of the set (chat-templated;
+cycled when the set is smaller), every request generating exactly ``max_tokens`` tokens (EOS ignored
+on both sides), N = ``--cell-prompts`` (default on CUDA: max(16, 4B); on CPU: B). B is the number of
+requests in flight:
+  dspark        all N prompts are submitted at once to an engine that runs at most B at a time
+                (continuous batching: a finished request's seat goes to the next prompt), as a server
+                at concurrency B would run them;
+  HF            ``generate`` on consecutive waves of B prompts (it has no continuous batching).
+Several prompts per cell matter for DSpark: τ varies a lot from prompt to prompt, so one prompt at
+batch 1 is not a figure, and a static batch of B lasts as long as its least predictable request
+(the others' seats stay empty meanwhile; ``--static-batches`` measures dspark that way too).
+Each cell does ``--warmup`` untimed calls (of its first B prompts); then timed calls alternate
+between the systems, so machine noise hits all alike. tok/s = new tokens / wall time (prefill
+included, the same work for every system); tok/s per user = tok/s / B. The device is synchronised
+before and after each timed call.
 
 Step-time breakdown (dspark, per ``LLMEngine.step`` call, prefill steps included): target = the
 runner's input build + target forward + sampling/verification (``spec_stats.verify_time_s``),
@@ -53,8 +58,9 @@ PROMPT_SETS = ("sharegpt", "code")
 HF_MODES = ("auto", "eager", "static-compiled")
 # Defaults by device kind: the GPU run is the real figure, the CPU one a small smoke run.
 DEVICE_DEFAULTS = {
-    "cuda": dict(batch_sizes=[1, 8, 32, 128], max_tokens=256, max_prompt_tokens=1024, cell_prompts=16),
-    "cpu": dict(batch_sizes=[1, 4], max_tokens=32, max_prompt_tokens=256, cell_prompts=1),
+    "cuda": dict(batch_sizes=[1, 8, 32, 128], max_tokens=256, max_prompt_tokens=1024,
+                 cell_prompts=lambda b: max(16, 4 * b)),
+    "cpu": dict(batch_sizes=[1, 4], max_tokens=32, max_prompt_tokens=256, cell_prompts=lambda b: b),
 }
 
 
@@ -65,11 +71,12 @@ def add_bench_matrix_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated from: sharegpt (held-out ShareGPT prompts), code (built-in) (default: both)")
     add_prompt_source_args(p)
     p.add_argument("--num-prompts", type=int, default=None,
-                   help="prompts per set (default: the largest of the batch sizes and --cell-prompts; "
-                        "smaller sets are cycled)")
+                   help="prompts per set (default: the most any cell runs; smaller sets are cycled)")
     p.add_argument("--cell-prompts", type=int, default=None,
-                   help="prompts per cell, run in consecutive waves of the batch size (default: 16 on CUDA, "
-                        "1 on CPU; a cell runs at least one full batch)")
+                   help="prompts per cell, rounded up to whole batches (default: max(16, 4B) on CUDA, B on CPU)")
+    p.add_argument("--static-batches", action="store_true",
+                   help="dspark runs a cell's prompts in waves of B, as HF does (default: continuous batching "
+                        "at concurrency B)")
     p.add_argument("--temperatures", default="0,1", help="comma-separated; 0 = greedy (default: 0,1)")
     p.add_argument("--max-tokens", type=int, default=None,
                    help="new tokens per request, EOS ignored (default: 256 on CUDA, 32 on CPU)")
@@ -116,16 +123,22 @@ class DsparkSystem:
 
         llm.engine.step = counted_step
 
-    def run(self, batch: list[list[int]], temperature: float, max_tokens: int) -> Run:
+    def run(self, batch: list[list[int]], temperature: float, max_tokens: int, concurrency: int | None = None) -> Run:
+        """All of batch submitted at once; at most concurrency of them running at a time (default: all)."""
         from dspark import SamplingParams
 
-        st, dev = self.llm.engine.spec_stats, self.llm.engine.config.device
+        engine = self.llm.engine
+        st, dev = engine.spec_stats, engine.config.device
         before = (self.steps, st.num_steps, st.num_accepted, st.verify_time_s, st.draft_time_s)
         params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True)
+        engine.scheduler.max_num_seqs = min(concurrency or len(batch), engine.config.max_num_seqs)
         _sync(dev)
         t = time.perf_counter()
-        outs = self.llm.generate(batch, params)
-        _sync(dev)
+        try:
+            outs = self.llm.generate(batch, params)
+            _sync(dev)
+        finally:
+            engine.scheduler.max_num_seqs = engine.config.max_num_seqs
         wall = time.perf_counter() - t
         ids = [o.token_ids for o in outs]
         assert all(len(x) == max_tokens for x in ids), "dspark: a request did not generate max_tokens tokens"
@@ -210,13 +223,16 @@ def batch_of(prompts: list[list[int]], b: int, start: int = 0) -> list[list[int]
     return [prompts[(start + i) % len(prompts)] for i in range(b)]
 
 
-def waves_of(prompts: list[list[int]], b: int, cell_prompts: int) -> list[list[list[int]]]:
-    """ceil(max(cell_prompts, b) / b) consecutive batches of b prompts (cycling through the set)."""
-    return [batch_of(prompts, b, w * b) for w in range(-(-max(cell_prompts, b) // b))]
+def waves_of(prompts: list[list[int]], b: int, n: int) -> list[list[list[int]]]:
+    """ceil(max(n, b) / b) consecutive batches of b prompts (cycling through the set)."""
+    return [batch_of(prompts, b, w * b) for w in range(-(-max(n, b) // b))]
 
 
-def run_waves(system, waves: list[list[list[int]]], temperature: float, max_tokens: int) -> Run:
-    """The waves one after another, merged into one Run (times, steps and counts summed)."""
+def run_cell(system, waves: list[list[list[int]]], temperature: float, max_tokens: int, continuous: bool) -> Run:
+    """One timed call of a cell: all its prompts at concurrency B (continuous), or its waves one after
+    another, merged into one Run (times, steps and counts summed)."""
+    if continuous:
+        return system.run([p for w in waves for p in w], temperature, max_tokens, concurrency=len(waves[0]))
     runs = [system.run(w, temperature, max_tokens) for w in waves]
     merged = Run(sum(r.wall_s for r in runs), [ids for r in runs for ids in r.token_ids], sum(r.steps for r in runs),
                  spec_steps=sum(r.spec_steps for r in runs), spec_accepted=sum(r.spec_accepted for r in runs))
@@ -230,15 +246,16 @@ def tokens_hash(ids: list[list[int]]) -> str:
     return hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]
 
 
-def make_cell(system: str, label: str, key: dict, runs: list[Run], batch_size: int, max_tokens: int) -> dict:
+def make_cell(system: str, label: str, key: dict, runs: list[Run], batch_size: int, max_tokens: int,
+              batching: str = "waves") -> dict:
     wall = statistics.median(r.wall_s for r in runs)
     steps = sum(r.steps for r in runs)
     wall_total = sum(r.wall_s for r in runs)
-    waves = len(runs[0].token_ids) // batch_size
+    n = len(runs[0].token_ids)
     cell = dict(
-        system=system, label=label, **key, batch_size=batch_size, max_tokens=max_tokens, waves=waves,
-        num_prompts=len(runs[0].token_ids), wall_s=wall, wall_s_runs=[r.wall_s for r in runs],
-        tok_s_total=waves * batch_size * max_tokens / wall, tok_s_per_user=waves * max_tokens / wall,
+        system=system, label=label, **key, batch_size=batch_size, max_tokens=max_tokens, num_prompts=n,
+        batching=batching, wall_s=wall, wall_s_runs=[r.wall_s for r in runs],
+        tok_s_total=n * max_tokens / wall, tok_s_per_user=n * max_tokens / wall / batch_size,
         tau=None, steps_per_run=steps / len(runs), ms_per_step=1000 * wall_total / steps,
         target_ms_per_step=None, drafter_ms_per_step=None, host_ms_per_step=None,
         speedup_vs_plain=None, speedup_vs_hf=None, tokens_sha256=tokens_hash(runs[0].token_ids),
@@ -364,10 +381,11 @@ def run_bench_matrix(a: argparse.Namespace) -> int:
     prompt_sets = [x.strip() for x in a.prompt_sets.split(",") if x.strip()]
     if not batch_sizes or min(batch_sizes) < 1 or not temperatures or not prompt_sets or a.runs < 1:
         raise ValueError("need batch sizes >= 1, at least one temperature and prompt set, and --runs >= 1")
-    cell_prompts = a.cell_prompts or defaults["cell_prompts"]
-    if cell_prompts < 1:
+    if a.cell_prompts is not None and a.cell_prompts < 1:
         raise ValueError("--cell-prompts must be >= 1")
-    num_prompts = a.num_prompts or max(*batch_sizes, cell_prompts)
+    # whole waves of B (HF's, and dspark's with --static-batches)
+    cell_prompts = {b: b * -(-(a.cell_prompts or defaults["cell_prompts"](b)) // b) for b in batch_sizes}
+    num_prompts = a.num_prompts or max(cell_prompts.values())
     texts = {ps: prompt_texts(ps, a.prompt_source) for ps in prompt_sets}  # errors before any loading
 
     kw = _engine_kwargs(a)
@@ -402,8 +420,8 @@ def run_bench_matrix(a: argparse.Namespace) -> int:
     slack = 1 + (spec_info["num_spec_tokens"] if spec_info else 0)
     capacity = engine.runner.num_kv_blocks * engine.config.block_size
     for ps, p in prompts.items():
-        if len(p) < max(batch_sizes):
-            log(f"{ps}: {len(p)} prompts for batch size {max(batch_sizes)}: cycled")
+        if len(p) < num_prompts:
+            log(f"{ps}: {len(p)} prompts for cells of up to {num_prompts}: cycled")
         need = sum(len(x) + max_tokens + slack for x in batch_of(p, max(batch_sizes)))
         if need > capacity:
             log(f"warning: {ps} at batch {max(batch_sizes)} needs ~{need} KV slots, the engine has {capacity}: "
@@ -421,7 +439,8 @@ def run_bench_matrix(a: argparse.Namespace) -> int:
         "max_tokens": max_tokens,
         "warmup": a.warmup,
         "runs": a.runs,
-        "cell_prompts": cell_prompts,
+        "cell_prompts": {str(b): n for b, n in cell_prompts.items()},
+        "dspark_batching": "waves" if a.static_batches else "continuous",
         "cells": cells,
         "greedy_checks": [],
     }
@@ -436,16 +455,18 @@ def run_bench_matrix(a: argparse.Namespace) -> int:
     for ps in prompt_sets:
         for t in temperatures:
             for b in batch_sizes:
-                waves = waves_of(prompts[ps], b, cell_prompts)
+                waves = waves_of(prompts[ps], b, cell_prompts[b])
                 for s in systems.values():
                     for _ in range(a.warmup):
                         s.run(waves[0], t, max_tokens)
                 runs: dict[str, list[Run]] = {name: [] for name in systems}
+                continuous = {name: name != "hf" and not a.static_batches for name in systems}
                 for _ in range(a.runs):
                     for name, s in systems.items():
-                        runs[name].append(run_waves(s, waves, t, max_tokens))
+                        runs[name].append(run_cell(s, waves, t, max_tokens, continuous[name]))
                 key = dict(prompt_set=ps, temperature=t)
-                new = [make_cell(n, labels[n], key, r, b, max_tokens) for n, r in runs.items()]
+                new = [make_cell(n, labels[n], key, r, b, max_tokens, "continuous" if continuous[n] else "waves")
+                       for n, r in runs.items()]
                 cells.extend(new)
                 log(f"{ps} T={t:g} B={b}: " + ", ".join(f"{c['label']} {c['tok_s_total']:.1f} tok/s" for c in new))
                 save()

@@ -49,6 +49,9 @@ class Scheduler:
         self.config = config
         self.kv = kv
         self.num_lookahead_tokens = num_lookahead_tokens  # KV slots reserved per request for drafts
+        # requests running at once; config.max_num_seqs (what graphs and buffers are sized for) unless
+        # lowered (dspark bench runs a cell at concurrency B on an engine built for the largest B)
+        self.max_num_seqs = config.max_num_seqs
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -100,7 +103,7 @@ class Scheduler:
             i += 1
 
         if not out.preempted:
-            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting[0]
                 hit_blocks: list[int] = []
                 if req.num_computed_tokens == 0:
@@ -181,7 +184,7 @@ class Scheduler:
         tokens: someone waits, a seat is free and budget is left (its admission loop's conditions;
         whether the KV pool has room is not checked: refusing to continue then costs one bubble).
         Requests that cannot get a seat do not stop the overlap (a server under load)."""
-        return (bool(self.waiting) and len(self.running) < self.config.max_num_seqs
+        return (bool(self.waiting) and len(self.running) < self.max_num_seqs
                 and rows < self.config.max_num_batched_tokens)
 
     def can_continue(self, out: SchedulerOutput) -> bool:

@@ -66,7 +66,7 @@ def test_matrix_has_every_cell_consistent_speedups_lossless_greedy_and_plots(tin
     assert set(cells) == want and len(res["cells"]) == len(want)
     for (system, b, ps, t), c in cells.items():
         assert c["tok_s_total"] > 0 and c["tok_s_per_user"] > 0
-        assert c["waves"] == 1 and c["num_prompts"] == b  # the CPU default: one wave per cell
+        assert c["num_prompts"] == b  # the CPU default: B prompts per cell
         assert c["tok_s_total"] == pytest.approx(b * c["tok_s_per_user"])
         assert c["ms_per_step"] > 0
         if system == "dspark_spec":
@@ -94,25 +94,32 @@ def test_matrix_has_every_cell_consistent_speedups_lossless_greedy_and_plots(tin
     assert all((plots / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
 
 
-def test_cell_prompts_run_in_waves_of_the_batch_size(tiny, one_thread):
-    """--cell-prompts 3: batch 1 runs 3 waves of distinct prompts, batch 2 runs 2 waves (4 prompts, cycled
-    through the 5-prompt set); rates count every wave's tokens; greedy DSpark equals plain over all waves."""
+def test_cells_run_several_prompts_at_concurrency_b(tiny, one_thread):
+    """--cell-prompts 3: a batch-1 cell runs 3 prompts one at a time, a batch-2 cell 4 prompts (cycled
+    through the 5-prompt set) two at a time: dspark through continuous batching (or in waves with
+    --static-batches), HF in waves; rates count every prompt's tokens; greedy DSpark equals plain."""
     from dspark.bench.matrix import waves_of
 
     assert waves_of([[1], [2], [3]], 2, 3) == [[[1], [2]], [[3], [1]]]
     root, common, source = tiny
-    out = root / "waves.json"
-    assert main(["bench", *common, "--no-hf", "--batch-sizes", "1,2", "--max-tokens", "3", "--temperatures", "0",
-                 "--prompt-sets", "sharegpt", "--cell-prompts", "3", "--prompt-source", str(source),
-                 "--json", str(out)]) == 0
-    res = json.loads(out.read_text())
-    assert res["cell_prompts"] == 3 and res["prompt_sets"]["sharegpt"]["num_prompts"] == 3
-    for c in res["cells"]:
-        waves = 3 if c["batch_size"] == 1 else 2
-        assert c["waves"] == waves and c["num_prompts"] == waves * c["batch_size"]
-        assert c["tok_s_total"] == pytest.approx(waves * c["batch_size"] * 3 / c["wall_s"])
-        assert c["tok_s_total"] == pytest.approx(c["batch_size"] * c["tok_s_per_user"])
-    assert all(g["spec_identical_to_plain"] for g in res["greedy_checks"])
+    for static in (False, True):
+        out = root / f"cells{static}.json"
+        assert main(["bench", *common, "--batch-sizes", "1,2", "--max-tokens", "3", "--temperatures", "0",
+                     "--prompt-sets", "sharegpt", "--cell-prompts", "3", "--prompt-source", str(source),
+                     "--json", str(out), *(["--static-batches"] if static else [])]) == 0
+        res = json.loads(out.read_text())
+        assert res["cell_prompts"] == {"1": 3, "2": 4} and res["prompt_sets"]["sharegpt"]["num_prompts"] == 4
+        assert res["dspark_batching"] == ("waves" if static else "continuous")
+        for c in res["cells"]:
+            n = 3 if c["batch_size"] == 1 else 4
+            assert c["num_prompts"] == n
+            assert c["batching"] == ("waves" if static or c["system"] == "hf" else "continuous")
+            assert c["tok_s_total"] == pytest.approx(n * 3 / c["wall_s"])
+            assert c["tok_s_total"] == pytest.approx(c["batch_size"] * c["tok_s_per_user"])
+            if c["system"] == "dspark_plain" and c["batch_size"] == 1:
+                assert c["steps_per_run"] >= 9  # one request at a time: 3 prompts x 3 tokens, one per step
+        assert all(g["spec_identical_to_plain"] and g["hf_identical_to_plain"] is not None
+                   for g in res["greedy_checks"])
 
 
 def test_cli_bench_and_bench_decode(tiny, one_thread):
