@@ -19,8 +19,10 @@ requests in flight:
 Several prompts per cell matter for DSpark: τ varies a lot from prompt to prompt, so one prompt at
 batch 1 is not a figure, and a static batch of B lasts as long as its least predictable request
 (the others' seats stay empty meanwhile; ``--static-batches`` measures dspark that way too).
-Each cell does ``--warmup`` untimed calls (of its first B prompts); then timed calls alternate
-between the systems, so machine noise hits all alike. tok/s = new tokens / wall time (prefill
+Each cell does ``--warmup`` untimed calls of the whole cell (Triton specialises kernels on argument
+values such as divisibility by 16, so a cell with new prompt lengths and batch compositions meets
+new compiles: a first-prompts-only warm-up left seconds of compilation in session 12's timed runs);
+then timed calls alternate between the systems, so machine noise hits all alike. tok/s = new tokens / wall time (prefill
 included, the same work for every system); tok/s per user = tok/s / B. The device is synchronised
 before and after each timed call.
 
@@ -456,11 +458,11 @@ def run_bench_matrix(a: argparse.Namespace) -> int:
         for t in temperatures:
             for b in batch_sizes:
                 waves = waves_of(prompts[ps], b, cell_prompts[b])
-                for s in systems.values():
-                    for _ in range(a.warmup):
-                        s.run(waves[0], t, max_tokens)
-                runs: dict[str, list[Run]] = {name: [] for name in systems}
                 continuous = {name: name != "hf" and not a.static_batches for name in systems}
+                for name, s in systems.items():  # the whole cell: every shape it meets (JIT compiles) is warm
+                    for _ in range(a.warmup):
+                        run_cell(s, waves, t, max_tokens, continuous[name])
+                runs: dict[str, list[Run]] = {name: [] for name in systems}
                 for _ in range(a.runs):
                     for name, s in systems.items():
                         runs[name].append(run_cell(s, waves, t, max_tokens, continuous[name]))
