@@ -60,6 +60,8 @@ class InflightStep:
     n_out: torch.Tensor | None = None  # [B] tokens emitted per request (accepted drafts + 1)
     anchors: torch.Tensor | None = None  # [B] each request's last emitted token
     drafts: torch.Tensor | None = None  # [B, N] the drafts made from it
+    draft_q: torch.Tensor | None = None  # [B, N, V] their q (probabilistic drafts of sampled requests)
+    prob: list[bool] | None = None  # which requests drafted probabilistically
 
 
 def make_attention_backend(name: str, device: torch.device, batch_invariant: bool = False):
@@ -75,6 +77,12 @@ def make_attention_backend(name: str, device: torch.device, batch_invariant: boo
 def _greedy_plain(p) -> bool:
     """A greedy request that needs nothing from the logits but their argmax (no penalties, no logprobs)."""
     return p.greedy and p.logprobs is None and spec_eligible_params(p)
+
+
+def _one_sync_params(p) -> bool:
+    """A request a one-sync DSpark step can verify on the device: no penalties (they count output tokens
+    the host would have to upload) and no logprobs (read from the logits on the host)."""
+    return p.logprobs is None and spec_eligible_params(p)
 
 
 def spec_eligible_params(p) -> bool:
@@ -153,6 +161,9 @@ class ModelRunner:
         self.sampler = Sampler()
         # request id -> (q [B, N, V] of the proposal that drafted it, its row): the q of its pending drafts
         self.draft_probs: dict[str, tuple[torch.Tensor, int]] = {}
+        # DSpark steps of sampled requests verified on the device in one-sync steps (False: through
+        # _verify on the host's schedule, the reference path the tests compare it with)
+        self.one_sync_sampled = True
         self.graphs = None  # StepGraphs: decode/verify and drafter steps as CUDA graphs
         if self.device.type == "cuda" and config.resolved_attention_backend == "triton" and not config.enforce_eager:
             self.enable_graphs(capture=True)
@@ -213,7 +224,7 @@ class ModelRunner:
             seq_lens.append(b)
             tables.append(kv.block_ids(r.request_id))
         graph = self.graphs is not None and self.graphs.covers(scheduled)
-        if graph and all(_greedy_plain(s.request.params) for s in scheduled):
+        if graph and self._one_sync(scheduled):
             return self.finish_one_sync(self.launch_one_sync(sched, kv, None))
         taps = layout = block_tables = None
         if graph:
@@ -331,29 +342,39 @@ class ModelRunner:
         if prev is not None:
             assert len(prev.scheduled) == B and all(a.request is b.request for a, b in zip(prev.scheduled, scheduled))
         Bg, bucket = G.prepare_target(scheduled, ids, starts, tables, ntok)
+        sampled = [b for b, r in enumerate(reqs) if not r.params.greedy]  # never with ``prev`` (can_launch_spec)
+        prob = [self.spec is not None and self.spec.draft_sample_method == "probabilistic" and not r.params.greedy
+                for r in reqs]
         if G.draft_graphs:
-            G.prepare_draft(Bg, list(range(B)), [r.params for r in reqs], [as_int64(r.seed) for r in reqs],
-                            [False] * B)
+            G.prepare_draft(Bg, list(range(B)), [r.params for r in reqs], [as_int64(r.seed) for r in reqs], prob)
+        # the sampled requests' target distributions: settings, seeds and positions as _verify builds them
+        batch = self._sampling_batch([reqs[b] for b in sampled], [reqs[b].num_tokens for b in sampled]) if sampled else None
         G.upload(Bg)
         if prev is not None:
             G.rows_from_previous_step(B, prev.n_out - q, prev.anchors, prev.drafts)
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)] if self.device.type == "cuda" else None
         if ev:
             ev[0].record()
-        am = G.replay_target(Bg, bucket)[:B].argmax(dim=-1)  # [B, q]
+        logits = G.replay_target(Bg, bucket)[:B]  # [B, q, V]
+        am = logits.argmax(dim=-1)  # [B, q]
         if q > 1:
-            out, n_out = verify_greedy(am, G.input_ids[:Bg * q].view(Bg, q)[:B, 1:], G.num_drafts[:B])
+            drafts_in = G.input_ids[:Bg * q].view(Bg, q)[:B, 1:]
+            out, n_out = verify_greedy(am, drafts_in, G.num_drafts[:B])
+            if sampled:
+                out, n_out = self._verify_sampled(reqs, sampled, logits, drafts_in, G.num_drafts[:B], batch, out, n_out)
         else:
             out, n_out = am, G.ones[:B]
         parts = [out.reshape(-1), n_out]
         if ev:
             ev[1].record()
-        anchors = drafts = None
+        anchors = drafts = draft_q = None
         if G.draft_graphs:
             G.drafter_inputs_on_device(Bg, out, n_out)
-            tokens, _ = G.replay_draft(Bg, bucket, False)
+            tokens, probs = G.replay_draft(Bg, bucket, any(prob))
             parts.append(tokens[:B].reshape(-1))
             anchors, drafts = G.anchors[:B].clone(), tokens[:B].clone()  # the graph buffers are reused
+            if any(prob):
+                draft_q = probs[:B].clone()
         if ev:
             ev[2].record()
         flat = torch.cat(parts)
@@ -362,7 +383,8 @@ class ModelRunner:
         G.stats["one_sync"] += 1
         if prev is not None:
             G.stats["async"] += 1
-        return InflightStep(list(scheduled), out, hb, done, ev, t0, n_out=n_out, anchors=anchors, drafts=drafts)
+        return InflightStep(list(scheduled), out, hb, done, ev, t0, n_out=n_out, anchors=anchors, drafts=drafts,
+                            draft_q=draft_q, prob=prob)
 
     def _copy_back(self, host: torch.Tensor, values: torch.Tensor) -> torch.cuda.Event | None:
         """Queue the copy of a launched step's results to pinned host memory; the event marks its end
@@ -397,6 +419,8 @@ class ModelRunner:
                 n = self._num_drafts(r, len(emitted))
                 if n > 0:
                     result.drafts[r.request_id] = drafts[b * N:b * N + n]
+                    if step.prob[b]:
+                        self.draft_probs[r.request_id] = (step.draft_q, b)
         ev = step.timing
         if ev:
             result.verify_time_s = ev[0].elapsed_time(ev[1]) / 1e3
@@ -516,26 +540,7 @@ class ModelRunner:
             # The target's processed distribution at each verify row; row i decides position num_tokens + i.
             batch = self._sampling_batch(preqs, [r.num_tokens for r in preqs]).repeat_rows(N + 1)
             probs = compute_probs(tl[p].reshape(-1, V), batch).view(len(pi), N + 1, V)
-            # q of each request's drafts: one gather per proposal they came from (rows past a request's
-            # own drafts are never read: verify_probabilistic masks them); greedy drafts are one-hot.
-            q = torch.zeros(len(pi), N, V, device=dev)
-            groups: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
-            one_hot = []
-            for j, r in enumerate(preqs):
-                entry = self.draft_probs.get(r.request_id)
-                if entry is None:
-                    one_hot.append(j)
-                else:
-                    src, row = entry
-                    g = groups.setdefault(id(src), (src, [], []))
-                    g[1].append(j)
-                    g[2].append(row)
-            for src, js, rows in groups.values():
-                n = min(N, src.shape[1])
-                q[torch.tensor(js, device=dev), :n] = src[torch.tensor(rows, device=src.device), :n]
-            if one_hot:
-                oh = torch.tensor(one_hot, device=dev)
-                q[oh] = torch.zeros(len(one_hot), N, V, device=dev).scatter_(2, drafts[p[oh]].unsqueeze(-1), 1.0)
+            q = self._draft_q(preqs, drafts[p], N, V)
             seeds = torch.tensor([as_int64(r.seed) for r in preqs], device=dev)
             pos = torch.tensor([r.num_tokens for r in preqs], device=dev)
             method = self.spec.rejection_sample_method
@@ -549,6 +554,76 @@ class ModelRunner:
             result.new_tokens[r.request_id] = read[j][:n_emit]
             result.verified[r.request_id] = (nd[j], n_emit - 1)
             self.draft_probs.pop(r.request_id, None)
+
+    def _index(self, values: list[int]) -> torch.Tensor:
+        """A small int64 index on the device, copied from pinned memory without waiting for the stream
+        (a pageable copy would wait for the queued target step)."""
+        t = torch.tensor(values, dtype=torch.int64)
+        if self.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    def _draft_q(self, preqs: list[Request], drafts: torch.Tensor, N: int, V: int) -> torch.Tensor:
+        """[P, N, V] q of each request's pending drafts: the rows of the proposals they came from
+        (self.draft_probs; rows past a request's own drafts are never read: verification masks them);
+        greedy drafts are one-hot. When every request is row b of one proposal, in order, that
+        proposal is q as it is (no copy)."""
+        entries = [self.draft_probs.get(r.request_id) for r in preqs]
+        if entries and all(e is not None for e in entries):
+            src = entries[0][0]
+            if all(e[0] is src and e[1] == j for j, e in enumerate(entries)) and src.shape[1] >= N:
+                return src[:len(preqs), :N]
+        dev = self.device
+        q = torch.zeros(len(preqs), N, V, device=dev)
+        groups: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
+        one_hot = []
+        for j, e in enumerate(entries):
+            if e is None:
+                one_hot.append(j)
+            else:
+                src, row = e
+                g = groups.setdefault(id(src), (src, [], []))
+                g[1].append(j)
+                g[2].append(row)
+        for src, js, rows in groups.values():
+            n = min(N, src.shape[1])
+            q[self._index(js), :n] = src[self._index(rows).to(src.device), :n]
+        if one_hot:
+            oh = self._index(one_hot)
+            q[oh] = torch.zeros(len(one_hot), N, V, device=dev).scatter_(2, drafts[oh].unsqueeze(-1), 1.0)
+        return q
+
+    def _verify_sampled(self, reqs: list[Request], sampled: list[int], logits: torch.Tensor, drafts: torch.Tensor,
+                        num_drafts: torch.Tensor, batch: SamplingBatch, out: torch.Tensor,
+                        n_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A one-sync step's sampled requests (batch rows ``sampled``), verified on the device exactly as
+        _verify verifies them (the same target distributions, q, keys and kernel: the same tokens), merged
+        into the greedy verification of the whole batch (``out``, ``n_out``)."""
+        V, q = logits.shape[-1], logits.shape[1]
+        whole = len(sampled) == len(reqs)
+        idx = slice(None) if whole else self._index(sampled)
+        probs = compute_probs(logits[idx].reshape(-1, V), batch.repeat_rows(q)).view(-1, q, V)
+        d = drafts[idx]
+        dq = self._draft_q([reqs[b] for b in sampled], d, q - 1, V)
+        args = (probs, d, dq, num_drafts[idx], batch.seeds, batch.positions)
+        method = self.spec.rejection_sample_method
+        o, n = self._verify_standard(*args) if method == "standard" else verify_probabilistic(*args, method)
+        if whole:
+            return o, n
+        out, n_out = out.clone(), n_out.clone()
+        out[idx], n_out[idx] = o, n
+        return out, n_out
+
+    def _one_sync(self, scheduled) -> bool:
+        """Whether this graph step runs as launch_one_sync + finish_one_sync: greedy requests that need
+        only the argmax, or (DSpark) requests that verify drafts on the device (_one_sync_params), every
+        sampled one with drafts to verify (a sampled request without drafts is sampled by the Sampler, on
+        another key stream than verification's)."""
+        if all(_greedy_plain(s.request.params) for s in scheduled):
+            return True
+        return (self.one_sync_sampled and self.graphs.q > 1 and self.graphs.draft_graphs
+                and all(_one_sync_params(s.request.params) and (s.request.params.greedy or s.num_spec_tokens > 0)
+                        for s in scheduled))
 
     def _verify_standard(self, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Standard verification through the fused kernel when there is one; if it fails (a Triton

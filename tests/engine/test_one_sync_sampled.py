@@ -1,0 +1,91 @@
+"""One-sync DSpark steps of sampled requests (ModelRunner.launch_one_sync with sampled rows): target,
+verification and drafter queued on the device with one read-back, the sampled requests verified by
+_verify_sampled. They must give exactly the tokens (and acceptance counts) of the host-scheduled path
+(run_target, _verify, run_draft), which computes the same distributions with the same keys: checked
+on the CPU through the fixed-shape graph steps, for T = 1, top-p, top-k, min-p, seeded requests mixed
+with greedy ones in one batch, both draft methods and both verification methods."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from dspark import LLM, SamplingParams  # noqa: E402
+from tests.engine.test_async_scheduling import _drive, _summary, prompts, spec_pair  # noqa: E402,F401
+
+
+def _llm(spec_pair, one_sync: bool, **spec) -> LLM:
+    t, d = spec_pair
+    llm = LLM(str(t), device="cpu", block_size=4, num_kv_blocks=128, attention_backend="triton", max_num_seqs=4,
+              async_scheduling=True, speculative_config={"model": str(d), **spec})
+    llm.engine.runner.enable_graphs(capture=False, batch_sizes=[2, 4], buckets=[64, 128])
+    llm.engine.runner.one_sync_sampled = one_sync
+    return llm
+
+
+# low temperatures: the tiny random target is nearly uniform at T = 1, which would reject every draft
+PARAMS = {
+    "sampled": [SamplingParams(temperature=t, seed=s, max_tokens=20, ignore_eos=True)
+                for t, s in ((0.3, 1), (1.0, 2), (0.5, 3))],
+    "mixed": [SamplingParams(temperature=0.4, top_p=0.9, seed=5, max_tokens=20, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=17, ignore_eos=True),
+              SamplingParams(temperature=0.6, top_k=7, min_p=0.05, seed=9, max_tokens=22, ignore_eos=True)],
+}
+
+
+@pytest.mark.parametrize("case,spec", [
+    ("sampled", {}),
+    ("mixed", {"draft_sample_method": "greedy"}),
+    ("mixed", {"rejection_sample_method": "block"}),
+])
+def test_one_sync_sampled_steps_match_the_host_path(spec_pair, prompts, case, spec):
+    reqs = list(zip(prompts, PARAMS[case]))
+    ref = _llm(spec_pair, False, **spec)
+    want, _, _ = _drive(ref, reqs)
+    llm = _llm(spec_pair, True, **spec)
+    got, _, _ = _drive(llm, reqs)
+    assert _summary(got) == _summary(want)
+    st, ref_st = llm.engine.spec_stats, ref.engine.spec_stats
+    assert (st.num_drafts, st.num_accepted) == (ref_st.num_drafts, ref_st.num_accepted)
+    assert 0 < st.num_accepted < st.num_drafts
+    one_sync, ref_one_sync = llm.engine.runner.graphs.stats["one_sync"], ref.engine.runner.graphs.stats["one_sync"]
+    verify_steps = st.num_steps / len(reqs)
+    assert one_sync >= 0.8 * verify_steps  # the path really taken: (nearly) every verification step
+    if case == "sampled":
+        assert ref_one_sync == 0
+    assert not llm.engine.runner.draft_probs and not ref.engine.runner.draft_probs  # released at the end
+
+
+def test_sampled_request_without_drafts_stays_on_the_host_path(spec_pair, prompts):
+    """max_tokens leaves no room for drafts near the end: those steps sample through the Sampler (its
+    own key stream), so they must not be one-sync steps; the tokens still equal the reference's."""
+    reqs = [(prompts[0], SamplingParams(temperature=1.0, seed=4, max_tokens=7, ignore_eos=True))]
+    want, _, _ = _drive(_llm(spec_pair, False), reqs)
+    got, _, _ = _drive(_llm(spec_pair, True), reqs)
+    assert _summary(got) == _summary(want)
+
+
+def test_draft_q_shares_the_proposal_when_rows_are_in_order():
+    """_draft_q returns the proposal's q itself when request j is its row j (no [P, N, V] copy), and
+    gathers (one-hot for greedy drafts) otherwise; both give the same q where it is read."""
+    from dspark.engine.runner import ModelRunner
+
+    class R:
+        def __init__(self, rid):
+            self.request_id = rid
+
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.device = torch.device("cpu")
+    src = torch.rand(3, 4, 10)
+    runner.draft_probs = {"a": (src, 0), "b": (src, 1), "c": (src, 2)}
+    drafts = torch.randint(0, 10, (3, 4))
+    q = runner._draft_q([R("a"), R("b"), R("c")], drafts, 4, 10)
+    assert q.data_ptr() == src.data_ptr() and torch.equal(q, src)
+    q2 = runner._draft_q([R("b"), R("a"), R("x")], drafts, 4, 10)  # out of order, one greedy request
+    assert torch.equal(q2[0], src[1]) and torch.equal(q2[1], src[0])
+    assert torch.equal(q2[2], torch.nn.functional.one_hot(drafts[2], 10).float())
