@@ -70,6 +70,8 @@ def main() -> int:
                    help="skip this many training prompts of the seeded order (prompts an earlier session covered)")
     g.add_argument("--eval-data", default=None,
                    help="held-out token file for τ_prob (default: this session's regenerated one)")
+    g.add_argument("--gen-sampling", default=None,
+                   help="regeneration sampling: deepspec (default), t1, or a JSON object (dspark.train.data.gen_sampling)")
     g.add_argument("--gen-passes", type=int, default=1,
                    help="queue the training prompts this many times (new seeds: new responses per pass)")
     g.add_argument("--extra-data", default=None,
@@ -126,7 +128,8 @@ def main() -> int:
             a.model, data, heldout, num_prompts=a.num_prompts, num_heldout_prompts=a.num_eval_prompts,
             max_tokens=a.gen_max_tokens, max_prompt_tokens=a.max_prompt_tokens, device=a.device,
             time_budget_s=a.gen_budget_s, max_num_seqs=a.gen_max_num_seqs, kv_cache_memory_gb=a.gen_kv_cache_gb,
-            prompt_source=a.prompt_source, prompt_offset=a.prompt_offset, passes=a.gen_passes)
+            prompt_source=a.prompt_source, prompt_offset=a.prompt_offset, passes=a.gen_passes,
+            sampling=a.gen_sampling)
         gen_summary.write_text(json.dumps(gen, indent=2))
         log(f"generated {gen['generated_tokens']} tokens ({gen['generated_tokens_per_s']:.0f} tok/s): "
             f"{gen['train']['num_sequences']} training and {gen['heldout']['num_sequences']} held-out sequences")

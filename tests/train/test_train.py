@@ -335,6 +335,32 @@ def test_generation_passes_sample_new_responses_to_the_same_prompts(target, tmp_
                                 max_prompt_tokens=16, device="cpu", prompt_source=str(src), passes=0)
 
 
+def test_regeneration_sampling_presets_and_json(target, tmp_path, monkeypatch):
+    """--gen-sampling: the settings reach every request and the token file's meta; temperature 0 gives
+    the target's greedy continuations; bad specs name the problem."""
+    from dspark import LLM, SamplingParams
+
+    assert data_mod.gen_sampling(None) == data_mod.GEN_SAMPLING
+    assert data_mod.gen_sampling("t1") == {"temperature": 1.0, "top_p": 1.0, "top_k": -1}
+    assert data_mod.gen_sampling('{"temperature": 0.9, "min_p": 0.1}') == {"temperature": 0.9, "min_p": 0.1}
+    for bad in ("hot", '{"seed": 3}', "[1]", "{}"):
+        with pytest.raises(ValueError, match="gen-sampling"):
+            data_mod.gen_sampling(bad)
+    src = tmp_path / "split.json"
+    src.write_text(json.dumps({"train": ["a", "b"], "heldout": []}))
+    monkeypatch.setattr(data_mod, "chat_prompt_ids",
+                        lambda engine, texts, n: [[5 + ord(t[0]) % 50, 6, 7, 8] for t in texts])
+    out = tmp_path / "greedy.safetensors"
+    s = data_mod.build_datasets(str(target), out, None, num_prompts=2, num_heldout_prompts=0, max_tokens=12,
+                                max_prompt_tokens=16, device="cpu", prompt_source=str(src),
+                                sampling='{"temperature": 0}')
+    assert s["train"]["sampling"] == {"temperature": 0}
+    d = TokenData.load(out)
+    prompts = [d.sequence(i)[0][~d.sequence(i)[1]].tolist() for i in range(len(d))]
+    want = LLM(str(target), device="cpu").generate(prompts, SamplingParams(temperature=0, max_tokens=12))
+    assert [d.sequence(i)[0][d.sequence(i)[1]].tolist() for i in range(len(d))] == [o.token_ids for o in want]
+
+
 # ---------------------------------------------------------------------------------------- training
 def _cfg(target, token_files, out, **kw) -> TrainConfig:
     base = dict(out=str(out), data=str(token_files[0]), eval_data=str(token_files[1]), model=str(target),
