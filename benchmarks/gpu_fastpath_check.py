@@ -19,6 +19,8 @@ parts (comma-separated, default all):
            output-major weights when "output_major" is among the parts; tokens identical with async on/off.
   spec     the same target with the shipped drafter's shapes (random target: drafts mostly rejected, so this
            times the step pipeline), greedy DSpark with async scheduling on vs off; identical tokens.
+  spec_t1  the same at temperature 1 (seeded): one-sync steps for sampled requests (runner.one_sync_sampled)
+           on vs off; identical tokens.
 Writes OUT_DIR/fastpath.json and prints a summary.
 """
 
@@ -36,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dspark.kernels import paged_attention as pa  # noqa: E402
 
 out_dir = Path(sys.argv[1])
-parts = sys.argv[2].split(",") if len(sys.argv) > 2 else ["combine", "lmhead", "gemm", "engine", "spec"]
+parts = sys.argv[2].split(",") if len(sys.argv) > 2 else ["combine", "lmhead", "gemm", "engine", "spec", "spec_t1"]
 out_dir.mkdir(parents=True, exist_ok=True)
 res: dict = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d")}
 dev = torch.device("cuda")
@@ -96,13 +98,15 @@ def smol_target():
                     for n in torch.randint(50, 300, (32,), generator=g)]
 
 
-def timed_generate(llm, prompts, n: int, warm_tokens: int = 16) -> tuple[dict, list]:
-    """Best of 3 timed greedy calls (after a warm-up): tok/s, wall, and the engine's per-step figures."""
+def timed_generate(llm, prompts, n: int, warm_tokens: int = 16, temperature: float = 0.0) -> tuple[dict, list]:
+    """Best of 3 timed calls (after a warm-up; greedy, or seeded at ``temperature``): tok/s, wall, and
+    the engine's per-step figures."""
     from dspark import SamplingParams
 
     B = len(prompts)
-    p = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=warm_tokens, ignore_eos=True))
+    seed = 1 if temperature else None
+    p = SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True, seed=seed)
+    llm.generate(prompts, SamplingParams(temperature=temperature, max_tokens=warm_tokens, ignore_eos=True, seed=seed))
     best = outs = None
     for _ in range(3):
         st, G = llm.engine.spec_stats, llm.engine.runner.graphs
@@ -290,6 +294,30 @@ if "spec" in parts:
     rows["async_tokens_identical"] = {k: all(x == v[0] for x in v) for k, v in tokens.items()}
     report("spec/async_tokens_identical", rows["async_tokens_identical"])
     res["spec"] = rows
+    save()
+if "spec_t1" in parts:
+    from dspark import LLM
+    from dspark.drafters import shipped_drafter
+
+    target, prompts = smol_target()
+    rows, tokens = {}, {}
+    for one_sync in (True, False):
+        llm = LLM(str(target), device="cuda", dtype="bfloat16", max_model_len=2048, max_num_seqs=32,
+                  attention_backend="triton", kv_cache_memory_gb=4, enable_prefix_caching=False,
+                  speculative_config={"model": str(shipped_drafter("smollm2-135m-instruct"))})
+        llm.engine.runner.one_sync_sampled = one_sync
+        row = {}
+        for B, n in ((1, 256), (32, 128)):
+            row[f"B{B}"], toks = timed_generate(llm, prompts[:B], n, warm_tokens=32, temperature=1.0)
+            tokens.setdefault(f"B{B}", []).append(toks)
+        row["one_sync_steps"] = llm.engine.runner.graphs.stats["one_sync"]
+        rows[f"one_sync_sampled={one_sync}"] = row
+        report(f"spec_t1/one_sync_sampled={one_sync}", row)
+        del llm
+        torch.cuda.empty_cache()
+    rows["tokens_identical"] = {k: all(x == v[0] for x in v) for k, v in tokens.items()}
+    report("spec_t1/tokens_identical", rows["tokens_identical"])
+    res["spec_t1"] = rows
     save()
 
 print("done", flush=True)
