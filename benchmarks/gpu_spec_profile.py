@@ -61,10 +61,10 @@ wrap(runner.graphs, "run_draft", "phase:graphs.run_draft")
 wrap(runner.graphs, "upload", "phase:graphs.upload")
 wrap(runner_mod, "compute_probs", "phase:compute_probs")
 res = {}
-for T in (0.0, 1.0):
+for T in (1.0, 0.0):  # T = 1 first: the question (a session-12 run timed out after the greedy half)
     for B in (1, 32):
         prompts = [[7 + i] * 300 for i in range(B)]
-        p = SamplingParams(temperature=T, max_tokens=96, ignore_eos=True, seed=1 if T else None)
+        p = SamplingParams(temperature=T, max_tokens=48, ignore_eos=True, seed=1 if T else None)
         llm.generate(prompts, p)
         torch.cuda.synchronize()
         n0 = engine.spec_stats.num_steps
