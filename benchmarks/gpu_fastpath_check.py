@@ -269,55 +269,52 @@ if "engine" in parts:
     report("engine/rope_in_attention_tokens_identical", rows["rope_in_attention_tokens_identical"])
     res["engine"] = rows
     save()
-if "spec" in parts:
-    # DSpark (the shipped drafter's shapes; random target weights, so drafts are mostly rejected: the
-    # timing of the step pipeline, not of acceptance): async scheduling on vs off, greedy.
+def spec_part(part: str, switch: str, temperature: float, stat: str, setup) -> None:
+    """DSpark (the shipped drafter's shapes; random target weights, so drafts are mostly rejected: the
+    timing of the step pipeline, not of acceptance) with ``switch`` on vs off (``setup(target,
+    llm_kwargs, on)`` builds the LLM with it); B=1 x 256 and B=32 x 128 tokens; the tokens must be identical."""
     from dspark import LLM
     from dspark.drafters import shipped_drafter
 
     target, prompts = smol_target()
     rows, tokens = {}, {}
-    for async_ in (True, False):
-        llm = LLM(str(target), device="cuda", dtype="bfloat16", max_model_len=2048, max_num_seqs=32,
-                  attention_backend="triton", kv_cache_memory_gb=4, async_scheduling=async_,
-                  enable_prefix_caching=False,
+    for on in (True, False):
+        kw = dict(device="cuda", dtype="bfloat16", max_model_len=2048, max_num_seqs=32, attention_backend="triton",
+                  kv_cache_memory_gb=4, enable_prefix_caching=False,
                   speculative_config={"model": str(shipped_drafter("smollm2-135m-instruct"))})
+        llm = setup(target, kw, on)
         row = {}
         for B, n in ((1, 256), (32, 128)):
-            row[f"B{B}"], toks = timed_generate(llm, prompts[:B], n, warm_tokens=32)
+            row[f"B{B}"], toks = timed_generate(llm, prompts[:B], n, warm_tokens=32, temperature=temperature)
             tokens.setdefault(f"B{B}", []).append(toks)
-        row["async_steps"] = llm.engine.runner.graphs.stats["async"]
-        rows[f"async={async_}"] = row
-        report(f"spec/async={async_}", row)
-        del llm
-        torch.cuda.empty_cache()
-    rows["async_tokens_identical"] = {k: all(x == v[0] for x in v) for k, v in tokens.items()}
-    report("spec/async_tokens_identical", rows["async_tokens_identical"])
-    res["spec"] = rows
-    save()
-if "spec_t1" in parts:
-    from dspark import LLM
-    from dspark.drafters import shipped_drafter
-
-    target, prompts = smol_target()
-    rows, tokens = {}, {}
-    for one_sync in (True, False):
-        llm = LLM(str(target), device="cuda", dtype="bfloat16", max_model_len=2048, max_num_seqs=32,
-                  attention_backend="triton", kv_cache_memory_gb=4, enable_prefix_caching=False,
-                  speculative_config={"model": str(shipped_drafter("smollm2-135m-instruct"))})
-        llm.engine.runner.one_sync_sampled = one_sync
-        row = {}
-        for B, n in ((1, 256), (32, 128)):
-            row[f"B{B}"], toks = timed_generate(llm, prompts[:B], n, warm_tokens=32, temperature=1.0)
-            tokens.setdefault(f"B{B}", []).append(toks)
-        row["one_sync_steps"] = llm.engine.runner.graphs.stats["one_sync"]
-        rows[f"one_sync_sampled={one_sync}"] = row
-        report(f"spec_t1/one_sync_sampled={one_sync}", row)
+        row[f"{stat}_steps"] = llm.engine.runner.graphs.stats[stat]
+        rows[f"{switch}={on}"] = row
+        report(f"{part}/{switch}={on}", row)
         del llm
         torch.cuda.empty_cache()
     rows["tokens_identical"] = {k: all(x == v[0] for x in v) for k, v in tokens.items()}
-    report("spec_t1/tokens_identical", rows["tokens_identical"])
-    res["spec_t1"] = rows
+    report(f"{part}/tokens_identical", rows["tokens_identical"])
+    res[part] = rows
     save()
+
+
+def _async(target, kw, on):
+    from dspark import LLM
+
+    return LLM(str(target), **kw, async_scheduling=on)
+
+
+def _one_sync_sampled(target, kw, on):
+    from dspark import LLM
+
+    llm = LLM(str(target), **kw)
+    llm.engine.runner.one_sync_sampled = on
+    return llm
+
+
+if "spec" in parts:  # greedy DSpark, async scheduling on vs off
+    spec_part("spec", "async", 0.0, "async", _async)
+if "spec_t1" in parts:  # T = 1 DSpark, one-sync steps for sampled requests on vs off
+    spec_part("spec_t1", "one_sync_sampled", 1.0, "one_sync", _one_sync_sampled)
 
 print("done", flush=True)
