@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -87,12 +86,9 @@ def graph_us(fn, per_graph: int = 30, replays: int = 20) -> float:
 
 def smol_target():
     """A random-weight checkpoint of SmolLM2-135M's shapes and 32 random prompts of 50-300 tokens."""
-    from tests.conftest import write_tiny_checkpoint
+    from benchmarks.smol_random import smol_checkpoint
 
-    smol = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rms_norm_eps=1e-5,
-                rope_theta=100000.0, tie_word_embeddings=True, initializer_range=0.02)
-    target = write_tiny_checkpoint(Path(tempfile.mkdtemp()) / "smol", "llama", seed=1, **smol)
+    target = smol_checkpoint()
     g = torch.Generator().manual_seed(0)
     return target, [torch.randint(10, 49000, (int(n),), generator=g).tolist()
                     for n in torch.randint(50, 300, (32,), generator=g)]
@@ -273,7 +269,6 @@ def spec_part(part: str, switch: str, temperature: float, stat: str, setup) -> N
     """DSpark (the shipped drafter's shapes; random target weights, so drafts are mostly rejected: the
     timing of the step pipeline, not of acceptance) with ``switch`` on vs off (``setup(target,
     llm_kwargs, on)`` builds the LLM with it); B=1 x 256 and B=32 x 128 tokens; the tokens must be identical."""
-    from dspark import LLM
     from dspark.drafters import shipped_drafter
 
     target, prompts = smol_target()

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -15,14 +14,11 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dspark import LLM, SamplingParams  # noqa: E402
-from tests.conftest import write_tiny_checkpoint  # noqa: E402
+from benchmarks.smol_random import smol_checkpoint  # noqa: E402
 
 out_dir = Path(sys.argv[1])
 out_dir.mkdir(parents=True, exist_ok=True)
-smol = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-            num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rms_norm_eps=1e-5,
-            rope_theta=100000.0, tie_word_embeddings=True, initializer_range=0.02)
-target = write_tiny_checkpoint(Path(tempfile.mkdtemp()) / "smol", "llama", seed=1, **smol)
+target = smol_checkpoint()
 llm = LLM(str(target), device="cuda", dtype="bfloat16", max_model_len=2048, max_num_seqs=32,
           attention_backend="triton", kv_cache_memory_gb=4, enable_prefix_caching=False)
 res = {}
