@@ -69,7 +69,7 @@ def main() -> int:
     g.add_argument("--prompt-offset", type=int, default=0,
                    help="skip this many training prompts of the seeded order (prompts an earlier session covered)")
     g.add_argument("--eval-data", default=None,
-                   help="held-out token file for τ_prob (default: this session's regenerated one)")
+                   help="held-out token file(s) for τ_prob, comma-separated (this session's regenerated one is added)")
     g.add_argument("--gen-sampling", default=None,
                    help="regeneration sampling: deepspec (default), t1, or a JSON object (dspark.train.data.gen_sampling)")
     g.add_argument("--gen-passes", type=int, default=1,
@@ -145,7 +145,11 @@ def main() -> int:
         if not files:
             raise SystemExit(f"{data} is missing and no --extra-data: run --phase gen first (in this machine's "
                              "session) or bring token files")
-        eval_file = a.eval_data or (str(heldout) if heldout.is_file() else None)
+        # the given held-out file(s), then this session's regenerated one (its own sampling, e.g. T = 1)
+        evals = a.eval_data.split(",") if a.eval_data else []
+        if heldout.is_file() and str(heldout) not in evals:
+            evals.append(str(heldout))
+        eval_file = ",".join(evals) or None
         budget = a.train_budget_s
         if a.phase == "all":
             budget = min(budget, a.deadline_s - (time.perf_counter() - T0) - a.eval_reserve_s)
@@ -164,7 +168,8 @@ def main() -> int:
             f"stop after {a.stop_after_s}s, {summary['device_name']})")
         summary["training"] = trainer.train()
         log(f"run {a.run}: {summary['training']['steps']}/{summary['training']['total_steps']} steps, "
-            f"held-out tau_prob {summary['training'].get('heldout_tau_prob')}")
+            f"held-out tau_prob {summary['training'].get('heldout_tau_prob')}, "
+            f"second held-out file {summary['training'].get('heldout1_tau_prob')}")
         del trainer
         free()
         shutil.rmtree(out / "drafter", ignore_errors=True)

@@ -4,13 +4,15 @@
 # 10 minutes; /tmp survives between calls made within the machine's idle window). Usage, run from the
 # repo root with $OUT set:
 #   call A: bash benchmarks/train_gpu_split.sh gen+train   regenerate data, train both runs until the deadline
+#            (from random weights, or from the drafter in INIT; EXTRA="--gen-sampling t1" regenerates at T = 1)
 #   call B: bash benchmarks/train_gpu_split.sh train+eval  resume both to the end of their schedules, then τ
 #   or, instead of call A, on token files brought from earlier sessions (no regeneration):
 #   call A': bash benchmarks/train_gpu_split.sh carried+train   gunzip .model/data/train-*.safetensors.gz
 #            (and heldout-*.safetensors) into /tmp/dspark_data, then go on training the drafter in INIT
 #            (default: the shipped one; INIT=none starts from random weights)
 # Token files in /tmp/dspark_data (carried by any call of this machine's session) are trained on in every
-# training call (--extra-data), and its held-out file is the τ_prob set (--eval-data).
+# training call (--extra-data), and its held-out file is the τ_prob set (--eval-data); a held-out file
+# regenerated in this session is evaluated as well (heldout1_* metrics: e.g. T = 1 text beside T = 0.7).
 # Needs /tmp/smollm.gguf (benchmarks/gguf_pieces.sh: joined from the pieces carried by earlier calls) and the gguf wheel in .whl/ (call A).
 # $OUT receives the drafter shards as <run>-<file> plus meta.tar.gz with everything else (the device
 # returns at most 8 files). Environment knobs: GEN_S (regeneration seconds), TRAIN_S (training seconds
@@ -61,7 +63,8 @@ train_all() {  # $1: extra flags, $2: seconds kept after training; runs stop by 
 if [ "$MODE" = gen+train ]; then
   python3 benchmarks/train_gpu.py "${COMMON[@]}" --phase gen --gen-budget-s "$GEN_S" \
     --gen-max-num-seqs ${GEN_SEQS:-512} --gen-kv-cache-gb ${GEN_KV_GB:-16} 2>&1 | tee $RES/gen.log
-  train_all "" 0
+  INIT=${INIT:-none}  # INIT=dspark/drafters/smollm2-135m-instruct: go on training the shipped drafter
+  if [ "$INIT" = none ]; then train_all "" 0; else train_all "--init-from $INIT" 0; fi
 elif [ "$MODE" = carried+train ]; then
   [ -n "$TRAIN_FILES" ] || { echo "carried+train: no .model/data/train-*.safetensors.gz carried"; exit 1; }
   INIT=${INIT:-dspark/drafters/smollm2-135m-instruct}

@@ -45,7 +45,9 @@ REPLAN_AT = 50  # real steps after which a time-budgeted run fits its step count
 class TrainConfig:
     out: str  # output directory
     data: str  # training token file(s) (dspark.train.data.TokenData), comma-separated
-    eval_data: str | None = None  # held-out token file for periodic τ_prob
+    # held-out token file(s) for periodic τ_prob, comma-separated: the first gives the ``heldout_*`` metrics,
+    # the j-th further one ``heldout{j}_*`` (e.g. a held-out file regenerated at another temperature)
+    eval_data: str | None = None
     model: str | None = None  # target: name, .gguf or HF directory (None: smollm2-135m-instruct)
     block_size: int = 5  # γ: block slots = drafts per step
     num_layers: int = 2  # drafter decoder layers
@@ -149,8 +151,12 @@ class Trainer:
         self.train_idx = usable_sequences(self.data, cfg.seq_len)
         if not self.train_idx:
             raise ValueError(f"{cfg.data}: no sequence has two response tokens within seq_len {cfg.seq_len}")
-        self.eval_data = TokenData.load(cfg.eval_data) if cfg.eval_data else None
-        self.eval_idx = usable_sequences(self.eval_data, cfg.seq_len)[:cfg.eval_seqs] if self.eval_data else []
+        self.eval_sets: list[tuple[TokenData, list[int]]] = []
+        for f in (cfg.eval_data.split(",") if cfg.eval_data else []):
+            d = TokenData.load(f)
+            self.eval_sets.append((d, usable_sequences(d, cfg.seq_len)[:cfg.eval_seqs]))
+        self.eval_data = self.eval_sets[0][0] if self.eval_sets else None
+        self.eval_idx = [i for _, idx in self.eval_sets for i in idx]  # all held-out rows (for the time plan)
         self.step = 0
         self.total_steps = cfg.steps
         self.schedule = 0  # warm restarts so far: each schedule draws its own batches
@@ -215,20 +221,26 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, Any]:
-        """Held-out losses and τ_prob with fixed anchors (row-weighted means over eval_seqs sequences)."""
-        g = torch.Generator().manual_seed(12345)
-        acc: dict[str, Any] = {}
-        rows = 0
-        bs = self.cfg.batch_size
-        for i in range(0, len(self.eval_idx), bs):
-            out = self._loss(self.eval_idx[i:i + bs], self.eval_data, g)
-            for k, v in out.metrics().items():
-                v = torch.tensor(v) * out.num_rows
-                acc[k] = acc[k] + v if k in acc else v
-            rows += out.num_rows
-        res = {k: (v / rows).tolist() for k, v in acc.items()}
-        res["accept"] = [round(a, 4) for a in res["accept"]]
-        return {"heldout_" + k: v for k, v in res.items()}
+        """Held-out losses and τ_prob with fixed anchors (row-weighted means over eval_seqs sequences of
+        each held-out file): ``heldout_*`` for the first file, ``heldout{j}_*`` for the j-th further one."""
+        ev: dict[str, Any] = {}
+        for j, (data, idx) in enumerate(self.eval_sets):
+            g = torch.Generator().manual_seed(12345)
+            acc: dict[str, Any] = {}
+            rows = 0
+            bs = self.cfg.batch_size
+            for i in range(0, len(idx), bs):
+                out = self._loss(idx[i:i + bs], data, g)
+                for k, v in out.metrics().items():
+                    v = torch.tensor(v) * out.num_rows
+                    acc[k] = acc[k] + v if k in acc else v
+                rows += out.num_rows
+            if not rows:
+                continue
+            res = {k: (v / rows).tolist() for k, v in acc.items()}
+            res["accept"] = [round(a, 4) for a in res["accept"]]
+            ev.update({f"heldout{j or ''}_{k}": v for k, v in res.items()})
+        return ev
 
     # ------------------------------------------------------------------ bookkeeping
     def _log(self, rec: dict[str, Any]) -> None:
@@ -285,6 +297,7 @@ class Trainer:
                "total_steps": self.total_steps, "train_data_meta": self.data.meta,
                "train_sequences_used": len(self.train_idx),
                "eval_data_meta": self.eval_data.meta if self.eval_data else None,
+               "eval_data_metas": [d.meta for d, _ in self.eval_sets],
                "eval_sequences_used": len(self.eval_idx), "torch": torch.__version__, **extra}
         (self.out / "train_config.json").write_text(json.dumps(rec, indent=2))
 
@@ -357,8 +370,10 @@ class Trainer:
                     ev = self.evaluate()
                     eval_s += time.perf_counter() - t_eval
                     self._log({"step": self.step, **ev})
-                    bar.write(f"step {self.step}: held-out tau_prob {ev['heldout_tau_prob']:.3f} "
-                              f"accept {ev['heldout_accept']}")
+                    more = "".join(f", file {j}: {ev[f'heldout{j}_tau_prob']:.3f}" for j in range(1, len(self.eval_sets))
+                                   if f"heldout{j}_tau_prob" in ev)
+                    bar.write(f"step {self.step}: held-out tau_prob {ev.get('heldout_tau_prob', float('nan')):.3f} "
+                              f"accept {ev.get('heldout_accept')}{more}")
                 if cfg.save_every and self.step % cfg.save_every == 0:
                     self.save()
         except KeyboardInterrupt:  # keep what was done: --resume continues from here
@@ -372,7 +387,7 @@ class Trainer:
                  "drafter_parameters": sum(p.numel() for p in self.params)}
         if self.eval_idx:
             final.update(self.evaluate())
-            self._log({"step": self.step, **{k: v for k, v in final.items() if k.startswith("heldout_")}})
+            self._log({"step": self.step, **{k: v for k, v in final.items() if k.startswith("heldout")}})
         (self.out / "metrics.json").write_text(json.dumps(final, indent=2))
         self.write_config(steps_done=self.step)
         return final

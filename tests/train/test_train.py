@@ -392,6 +392,16 @@ def test_smoke_training_loss_decreases_and_drafter_serves_losslessly(target, tok
     assert spec.engine.spec_stats.num_steps > 0
 
 
+def test_several_heldout_files_are_evaluated_each(target, token_files, tmp_path):
+    """eval_data "a,b": heldout_* is file a's (the same figures as with a alone), heldout1_* file b's."""
+    one = Trainer(_cfg(target, token_files, tmp_path / "a", steps=2)).evaluate()
+    two = Trainer(_cfg(target, token_files, tmp_path / "b", steps=2,
+                       eval_data=f"{token_files[1]},{token_files[0]}")).evaluate()
+    assert {k: v for k, v in two.items() if k.startswith("heldout_")} == one
+    assert set(two) == set(one) | {k.replace("heldout_", "heldout1_") for k in one}
+    assert two["heldout1_tau_prob"] != two["heldout_tau_prob"]  # another file, other sequences
+
+
 def test_resume_after_interrupt_matches_an_uninterrupted_run(target, token_files, tmp_path, monkeypatch):
     full = Trainer(_cfg(target, token_files, tmp_path / "a", steps=12, eval_data=None))
     full.train()
