@@ -29,7 +29,8 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--gen-passes", type=int, default=1,
                    help="queue the training prompts this many times (each request its own seed: new responses)")
     d.add_argument("--eval-data", default=None,
-                   help="held-out token file for periodic tau_prob (default: OUT/heldout.safetensors; 'none': no eval)")
+                   help="held-out token file(s) for periodic tau_prob, comma-separated: the first gives heldout_*, "
+                        "the j-th further one heldout{j}_* (default: OUT/heldout.safetensors; 'none': no eval)")
     d.add_argument("--num-prompts", type=int, default=2000,
                    help="training prompts to regenerate when --data is missing")
     d.add_argument("--num-eval-prompts", type=int, default=64, help="held-out prompts to regenerate")
@@ -82,7 +83,12 @@ def cmd_train(a: argparse.Namespace) -> int:
 
     out = Path(a.out)
     data = Path(a.data or out / "data.safetensors")
-    eval_data = None if a.eval_data == "none" else Path(a.eval_data or out / "heldout.safetensors")
+    # several held-out files (comma-separated): the first is regenerated when missing, the others must exist
+    evals = [] if a.eval_data == "none" else [Path(f) for f in (a.eval_data or str(out / "heldout.safetensors")).split(",")]
+    missing = [str(f) for f in evals[1:] if not f.is_file()]
+    if missing:
+        raise SystemExit(f"--eval-data: {', '.join(missing)} not found (only the first held-out file is regenerated)")
+    eval_data = evals[0] if evals else None
     need_train, need_eval = not data.is_file(), eval_data is not None and not eval_data.is_file()
     generation = None
     if need_train or need_eval:
@@ -97,7 +103,7 @@ def cmd_train(a: argparse.Namespace) -> int:
               file=sys.stderr)
         _free_device_memory()
     cfg = TrainConfig(
-        out=str(out), data=",".join([str(data)] + ([a.extra_data] if a.extra_data else [])), eval_data=None if eval_data is None else str(eval_data), model=a.model,
+        out=str(out), data=",".join([str(data)] + ([a.extra_data] if a.extra_data else [])), eval_data=",".join(map(str, evals)) or None, model=a.model,
         block_size=a.block_size, num_layers=a.num_layers, markov_rank=a.markov_rank,
         target_layer_ids=[int(x) for x in a.target_layer_ids.split(",")] if a.target_layer_ids else None,
         mask_token_id=a.mask_token_id, steps=a.steps, time_budget_s=a.time_budget_s, stop_after_s=a.stop_after_s,

@@ -533,3 +533,20 @@ def test_train_cli_records_the_command(target, token_files, tmp_path):
     assert cfg["block_size"] == 3 and cfg["target_layer_ids"] == [1, 2] and cfg["steps_done"] == 3
     assert cfg["eval_data"] is None and cfg["extra"] == {"data_generation": None}
     assert (tmp_path / "o" / "drafter" / "model.safetensors").is_file()
+
+
+def test_train_cli_several_heldout_files(target, token_files, tmp_path):
+    p = argparse.ArgumentParser()
+    add_train_parser(p.add_subparsers(dest="command"))
+    base = ["train", "--model", str(target), "--data", str(token_files[0]), "--steps", "2", "--batch-size", "2",
+            "--seq-len", "48", "--anchors-per-seq", "4", "--block-size", "3", "--num-layers", "1", "--markov-rank", "4",
+            "--target-layer-ids", "1,2", "--mask-token-id", "3", "--device", "cpu", "--eval-seqs", "2"]
+    a = p.parse_args(base + ["--out", str(tmp_path / "x"), "--eval-data", f"{token_files[1]},{tmp_path / 'nope.safetensors'}"])
+    with pytest.raises(SystemExit, match="nope.safetensors not found"):
+        a.func(a)
+    a = p.parse_args(base + ["--out", str(tmp_path / "o"), "--eval-data", f"{token_files[1]},{token_files[0]}"])
+    assert a.func(a) == 0
+    cfg = json.loads((tmp_path / "o" / "train_config.json").read_text())
+    assert cfg["eval_data"] == f"{token_files[1]},{token_files[0]}"
+    metrics = json.loads((tmp_path / "o" / "metrics.json").read_text())
+    assert "heldout_tau_prob" in metrics and "heldout1_tau_prob" in metrics
