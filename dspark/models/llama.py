@@ -14,7 +14,9 @@ Two forwards, chosen by ``LlamaForCausalLM.fused``:
   kernels of dspark/kernels/fused_ops.py, see ``DecoderLayer.forward_fused``. On a GPU a small model
   is launch-bound at decode (every launch costs several µs, ~30 layers), so the point is fewer
   launches per layer: 9 (10 when paged attention splits the key range) instead of 26 for Llama in
-  bf16 (22 in fp32, 8 more with Qwen3's q/k norm), counting each F.rms_norm as one kernel.
+  bf16 (22 in fp32, 8 more with Qwen3's q/k norm), counting each F.rms_norm as one kernel. With
+  ``small_m_gemv`` (SMALL_M_GEMV, off by default), steps of at most GEMV_MAX_ROWS rows take 6 (the
+  GEMV kernels of dspark/kernels/gemv.py, see ``DecoderLayer.forward_gemv``).
 """
 
 from __future__ import annotations
@@ -36,6 +38,15 @@ from dspark.models.errors import ModelLoadError
 # ``rope=``): one launch fewer per layer, bit-identical in Triton's interpreter. Off until measured on
 # the GPU (benchmarks/gpu_fastpath_check.py); DSPARK_ROPE_IN_ATTENTION=1 turns it on.
 ROPE_IN_ATTENTION = os.environ.get("DSPARK_ROPE_IN_ATTENTION") == "1"
+
+# Few-row steps (T <= GEMV_MAX_ROWS: decode at small batch, short verification blocks) of the fused
+# forward on the GEMV kernels of dspark/kernels/gemv.py, which fold each residual add + RMSNorm into the
+# projection after it and SwiGLU into the gate|up projection: 3 launches fewer per layer (see
+# DecoderLayer.forward_gemv). Same roundings as the GEMM path, only the fp32 summation order of the
+# products differs (not bit-identical to cuBLAS). Off until measured on the GPU
+# (benchmarks/gpu_fastpath_check.py, part gemv); DSPARK_SMALL_M_GEMV=1 turns it on.
+SMALL_M_GEMV = os.environ.get("DSPARK_SMALL_M_GEMV") == "1"
+GEMV_MAX_ROWS = 8
 
 
 class Attention(nn.Module):
@@ -102,27 +113,73 @@ class DecoderLayer(nn.Module):
 
         ``rope_in_attention``: the rope_qk_cache launch is folded into the attention launch (8 launches).
 
+        Few rows with ``LlamaForCausalLM.small_m_gemv``: ``forward_gemv`` instead, 6 launches (7 with a
+        key split, 5 with rope_in_attention): the add + norms move into GEMV prologues.
+
         Reads no tensor value on the host, so it can be captured in a CUDA graph."""
-        from dspark.kernels.fused_ops import add_rms_norm, rope_qk_cache, silu_and_mul as silu_and_mul_kernel
+        from dspark.kernels.fused_ops import add_rms_norm, silu_and_mul as silu_and_mul_kernel
 
         a = self.self_attn
         T = x.shape[0]
-        q, k, v = a.qkv_proj(x).split([a.q_size, a.kv_size, a.kv_size], dim=-1)
+        o = self._attend_fused(a.qkv_proj(x), positions, rope, backend, meta, kv, rope_in_attention)
+        norm = self.post_attention_layernorm
+        x, residual = add_rms_norm(a.o_proj(o.reshape(T, a.q_size)), residual, norm.weight, norm.eps)
+        return self.mlp.down_proj(silu_and_mul_kernel(self.mlp.gate_up_proj(x))), residual
+
+    def forward_gemv(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                     rope: RotaryEmbedding, backend: TritonAttentionBackend, meta: TritonAttentionMetadata,
+                     kv: torch.Tensor, rope_in_attention: bool = False,
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """forward_fused for few rows on the GEMV kernels of dspark/kernels/gemv.py. The layer takes the
+        previous layer's ``(mlp_out, residual)`` unsummed and un-normed (the embeddings and None for
+        layer 0) and does the add + input_layernorm inside its qkv product; returns ``(mlp_out,
+        residual, h)`` with ``h = x + residual`` this layer's input, i.e. the previous layer's output
+        (its tap). Launches:
+
+        add_rms_norm_linear (residual add + input norm + qkv) -> rope_qk_cache -> paged attention (+ the
+        split merge) -> linear_small_m (o_proj) -> add_rms_norm_gate_up_silu (residual add +
+        post-attention norm + gate_up + SwiGLU) -> linear_small_m (down): 6 launches (7 with a key
+        split, 5 with rope_in_attention), against forward_fused's 9; the caller's final add_rms_norm
+        once per step."""
+        from dspark.kernels.gemv import add_rms_norm_gate_up_silu, add_rms_norm_linear, linear_small_m
+
+        a = self.self_attn
+        T = x.shape[0]
+        ln = self.input_layernorm
+        qkv, h = add_rms_norm_linear(x, residual, ln.weight, ln.eps, a.qkv_proj.weight_t, a.qkv_proj.bias)
+        o = self._attend_fused(qkv, positions, rope, backend, meta, kv, rope_in_attention)
+        o = linear_small_m(o.reshape(T, a.q_size), a.o_proj.weight_t, a.o_proj.bias)
+        norm = self.post_attention_layernorm
+        act, residual = add_rms_norm_gate_up_silu(o, h, norm.weight, norm.eps, self.mlp.gate_up_proj.weight_t)
+        return linear_small_m(act, self.mlp.down_proj.weight_t, self.mlp.down_proj.bias), residual, h
+
+    def _attend_fused(self, qkv: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                      backend: TritonAttentionBackend, meta: TritonAttentionMetadata, kv: torch.Tensor,
+                      rope_in_attention: bool) -> torch.Tensor:
+        """q/k norm, RoPE, the K/V cache write and paged attention on the fused qkv projection -> [T, Hq, D]."""
+        from dspark.kernels.fused_ops import rope_qk_cache
+
+        a = self.self_attn
+        T = qkv.shape[0]
+        q, k, v = qkv.split([a.q_size, a.kv_size, a.kv_size], dim=-1)
         q, k, v = (q.view(T, a.num_heads, a.head_dim), k.view(T, a.num_kv_heads, a.head_dim),
                    v.view(T, a.num_kv_heads, a.head_dim))
         qk_norm = (a.q_norm.weight, a.k_norm.weight, a.q_norm.eps) if a.q_norm is not None else (None, None, 0.0)
         if rope_in_attention:
-            o = backend.attend_rope(q, kv[0], kv[1], meta, a.scale, dict(
+            return backend.attend_rope(q, kv[0], kv[1], meta, a.scale, dict(
                 k=k, v=v, positions=positions, cos=rope.cos, sin_signed=rope.sin_signed,
                 slot_mapping=meta.slot_mapping, q_norm=qk_norm[0], k_norm=qk_norm[1], eps=qk_norm[2]))
-        else:
-            q, _ = rope_qk_cache(  # K/V land in the cache here (slot < 0: padding, skipped)
-                q, k, v, positions, rope.cos, rope.sin_signed, kv[0], kv[1], meta.slot_mapping, *qk_norm,
-            )
-            o = backend.attend(q, kv[0], kv[1], meta, a.scale)  # K/V already in the cache: attention only
-        norm = self.post_attention_layernorm
-        x, residual = add_rms_norm(a.o_proj(o.reshape(T, a.q_size)), residual, norm.weight, norm.eps)
-        return self.mlp.down_proj(silu_and_mul_kernel(self.mlp.gate_up_proj(x))), residual
+        q, _ = rope_qk_cache(  # K/V land in the cache here (slot < 0: padding, skipped)
+            q, k, v, positions, rope.cos, rope.sin_signed, kv[0], kv[1], meta.slot_mapping, *qk_norm,
+        )
+        return backend.attend(q, kv[0], kv[1], meta, a.scale)  # K/V already in the cache: attention only
+
+    def gemv_ready(self) -> bool:
+        """Whether forward_gemv may run: none of the layer's Linears is batch-invariant (that mode keeps
+        kernels/matmul.py for every product) and gate_up has no bias (the SwiGLU GEMV takes none)."""
+        a, mlp = self.self_attn, self.mlp
+        linears = (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        return mlp.gate_up_proj.bias is None and not any(lin.batch_invariant for lin in linears)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -147,6 +204,8 @@ class LlamaForCausalLM(nn.Module):
         self._lm_head_half: torch.Tensor | None = None  # see use_half_lm_head
         # RoPE and the K/V write inside the attention launch (fused forward only; see ROPE_IN_ATTENTION)
         self.rope_in_attention = ROPE_IN_ATTENTION and cfg.head_dim & (cfg.head_dim - 1) == 0
+        # steps of at most GEMV_MAX_ROWS rows on the GEMV kernels (fused forward only; see SMALL_M_GEMV)
+        self.small_m_gemv = SMALL_M_GEMV
 
     def forward(
         self,
@@ -173,23 +232,38 @@ class LlamaForCausalLM(nn.Module):
         """``forward`` on the fused kernels (DecoderLayer.forward_fused). Each add_rms_norm adds a
         layer's MLP output to the residual stream and norms the sum for the next layer (or the final
         norm); the sum it returns is that layer's raw output, the tap, rounded to the activations'
-        dtype as the unfused ``h + mlp(..)`` is."""
+        dtype as the unfused ``h + mlp(..)`` is. With ``small_m_gemv`` and at most GEMV_MAX_ROWS rows,
+        DecoderLayer.forward_gemv: the add + norm happens inside the next layer's qkv product, which
+        returns the sum (the tap) too; the last layer's output still goes through add_rms_norm (the
+        final norm, feeding the lm_head)."""
         if not isinstance(backend, TritonAttentionBackend):
             raise TypeError(f"LlamaForCausalLM.fused needs the Triton attention backend (it writes K/V in its own "
                             f"RoPE kernel and calls TritonAttentionBackend.attend), got {type(backend).__name__}; "
                             "set fused = False for other backends")
         from dspark.kernels.fused_ops import add_rms_norm
 
-        norm = self.layers[0].input_layernorm
-        x, residual = add_rms_norm(self.embed_tokens(input_ids), None, norm.weight, norm.eps)
         taps: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.layers):
-            mlp_out, residual = layer.forward_fused(x, residual, positions, self.rope, backend, meta, kv_caches[i],
+        gemv = self.small_m_gemv and input_ids.shape[0] <= GEMV_MAX_ROWS
+        if gemv and all(layer.gemv_ready() for layer in self.layers):
+            x, residual = self.embed_tokens(input_ids), None  # layer 0 norms the embeddings in its qkv GEMV
+            for i, layer in enumerate(self.layers):
+                x, residual, h = layer.forward_gemv(x, residual, positions, self.rope, backend, meta, kv_caches[i],
                                                     self.rope_in_attention)
-            norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
-            x, residual = add_rms_norm(mlp_out, residual, norm.weight, norm.eps)  # residual: layer i's output
-            if i in self.tap_layers:
-                taps[i] = residual
+                if i - 1 in self.tap_layers:
+                    taps[i - 1] = h  # layer i's input: layer i - 1's output
+            x, residual = add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
+            if len(self.layers) - 1 in self.tap_layers:
+                taps[len(self.layers) - 1] = residual
+        else:
+            norm = self.layers[0].input_layernorm
+            x, residual = add_rms_norm(self.embed_tokens(input_ids), None, norm.weight, norm.eps)
+            for i, layer in enumerate(self.layers):
+                mlp_out, residual = layer.forward_fused(x, residual, positions, self.rope, backend, meta,
+                                                        kv_caches[i], self.rope_in_attention)
+                norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+                x, residual = add_rms_norm(mlp_out, residual, norm.weight, norm.eps)  # residual: layer i's output
+                if i in self.tap_layers:
+                    taps[i] = residual
         tap = torch.cat([taps[i] for i in self.tap_layers], dim=-1) if taps else None
         return x, tap
 
