@@ -47,6 +47,9 @@ ROPE_IN_ATTENTION = os.environ.get("DSPARK_ROPE_IN_ATTENTION") == "1"
 # (benchmarks/gpu_fastpath_check.py, part gemv); DSPARK_SMALL_M_GEMV=1 turns it on.
 SMALL_M_GEMV = os.environ.get("DSPARK_SMALL_M_GEMV") == "1"
 GEMV_MAX_ROWS = 8
+# With SMALL_M_GEMV, o_proj and down_proj on gemv.linear_small_m too (no launch saved there, only a
+# different kernel than cuBLAS's); DSPARK_SMALL_M_GEMV_PLAIN=0 keeps cuBLAS for those two.
+SMALL_M_GEMV_PLAIN = os.environ.get("DSPARK_SMALL_M_GEMV_PLAIN", "1") == "1"
 
 
 class Attention(nn.Module):
@@ -128,7 +131,7 @@ class DecoderLayer(nn.Module):
 
     def forward_gemv(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                      rope: RotaryEmbedding, backend: TritonAttentionBackend, meta: TritonAttentionMetadata,
-                     kv: torch.Tensor, rope_in_attention: bool = False,
+                     kv: torch.Tensor, rope_in_attention: bool = False, plain: bool = True,
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """forward_fused for few rows on the GEMV kernels of dspark/kernels/gemv.py. The layer takes the
         previous layer's ``(mlp_out, residual)`` unsummed and un-normed (the embeddings and None for
@@ -140,7 +143,7 @@ class DecoderLayer(nn.Module):
         split merge) -> linear_small_m (o_proj) -> add_rms_norm_gate_up_silu (residual add +
         post-attention norm + gate_up + SwiGLU) -> linear_small_m (down): 6 launches (7 with a key
         split, 5 with rope_in_attention), against forward_fused's 9; the caller's final add_rms_norm
-        once per step."""
+        once per step. ``plain`` False: o_proj and down_proj stay the Linears (cuBLAS), same count."""
         from dspark.kernels.gemv import add_rms_norm_gate_up_silu, add_rms_norm_linear, linear_small_m
 
         a = self.self_attn
@@ -148,10 +151,12 @@ class DecoderLayer(nn.Module):
         ln = self.input_layernorm
         qkv, h = add_rms_norm_linear(x, residual, ln.weight, ln.eps, a.qkv_proj.weight_t, a.qkv_proj.bias)
         o = self._attend_fused(qkv, positions, rope, backend, meta, kv, rope_in_attention)
-        o = linear_small_m(o.reshape(T, a.q_size), a.o_proj.weight_t, a.o_proj.bias)
+        o = o.reshape(T, a.q_size)
+        o = linear_small_m(o, a.o_proj.weight_t, a.o_proj.bias) if plain else a.o_proj(o)
         norm = self.post_attention_layernorm
         act, residual = add_rms_norm_gate_up_silu(o, h, norm.weight, norm.eps, self.mlp.gate_up_proj.weight_t)
-        return linear_small_m(act, self.mlp.down_proj.weight_t, self.mlp.down_proj.bias), residual, h
+        down = self.mlp.down_proj
+        return (linear_small_m(act, down.weight_t, down.bias) if plain else down(act)), residual, h
 
     def _attend_fused(self, qkv: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                       backend: TritonAttentionBackend, meta: TritonAttentionMetadata, kv: torch.Tensor,
@@ -206,6 +211,7 @@ class LlamaForCausalLM(nn.Module):
         self.rope_in_attention = ROPE_IN_ATTENTION and cfg.head_dim & (cfg.head_dim - 1) == 0
         # steps of at most GEMV_MAX_ROWS rows on the GEMV kernels (fused forward only; see SMALL_M_GEMV)
         self.small_m_gemv = SMALL_M_GEMV
+        self.small_m_gemv_plain = SMALL_M_GEMV_PLAIN  # o_proj / down_proj on the GEMV too
 
     def forward(
         self,
@@ -248,7 +254,7 @@ class LlamaForCausalLM(nn.Module):
             x, residual = self.embed_tokens(input_ids), None  # layer 0 norms the embeddings in its qkv GEMV
             for i, layer in enumerate(self.layers):
                 x, residual, h = layer.forward_gemv(x, residual, positions, self.rope, backend, meta, kv_caches[i],
-                                                    self.rope_in_attention)
+                                                    self.rope_in_attention, self.small_m_gemv_plain)
                 if i - 1 in self.tap_layers:
                     taps[i - 1] = h  # layer i's input: layer i - 1's output
             x, residual = add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
