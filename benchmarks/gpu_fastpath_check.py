@@ -21,6 +21,15 @@ parts (comma-separated, default all):
            times the step pipeline), greedy DSpark with async scheduling on vs off; identical tokens.
   spec_t1  the same at temperature 1 (seeded): one-sync steps for sampled requests (runner.one_sync_sampled)
            on vs off; identical tokens.
+  gemv     (not in the default list) the few-row GEMV kernels of dspark/kernels/gemv.py, bf16, SmolLM2 shapes,
+           M = 1/6/8 rows: (a) µs in a graph of 30 of add_rms_norm_linear vs add_rms_norm + matmul
+           (576 -> 960), add_rms_norm_gate_up_silu vs add_rms_norm + matmul + silu_and_mul (576 -> 2x1536),
+           linear_small_m vs matmul (576 -> 576, 1536 -> 576), max abs diff vs the unfused result, the
+           same with output-major weights, and at M = 1 and 8 a sweep of launch configurations (block_n,
+           block_k, num_warps, num_stages); (b) the engine (greedy, EOS ignored) at B=1 x 256 and
+           B=8 x 128 tokens with models/llama.py SMALL_M_GEMV off, on, and on with cuBLAS kept for o_proj /
+           down_proj (SMALL_M_GEMV_PLAIN False): tok/s and the fraction of tokens identical to "off"
+           (summation order differs from cuBLAS, so random-weight near-ties may flip).
 Writes OUT_DIR/fastpath.json and prints a summary.
 """
 
@@ -265,6 +274,119 @@ if "engine" in parts:
     report("engine/rope_in_attention_tokens_identical", rows["rope_in_attention_tokens_identical"])
     res["engine"] = rows
     save()
+if "gemv" in parts:
+    from dspark.kernels import gemv as gv
+    from dspark.kernels.fused_ops import add_rms_norm, silu_and_mul
+
+    H, I, QKV, EPS = 576, 1536, 960, 1e-5
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, device=dev, generator=g) * scale).to(torch.bfloat16)
+
+    nw = (torch.rand(H, device=dev, generator=g) + 0.5).to(torch.bfloat16)
+    W = {"qkv": rnd(H, QKV, scale=H**-0.5), "gate_up": rnd(H, 2 * I, scale=H**-0.5), "o": rnd(H, H, scale=H**-0.5),
+         "down": rnd(I, H, scale=I**-0.5)}
+    SWEEP = {"bn4": dict(block_n=4), "bn8": dict(block_n=8), "bn16": dict(block_n=16), "bn32": dict(block_n=32),
+             "bn64": dict(block_n=64), "warps2": dict(num_warps=2), "warps8": dict(num_warps=8),
+             "bk128_s3": dict(block_k=128), "bk128_s4": dict(block_k=128, num_stages=4),
+             "bn16_bk128_s3": dict(block_n=16, block_k=128)}
+    rows = {}
+    for M in (1, 6, 8):
+        x, r, xi = rnd(M, H), rnd(M, H, scale=4.0), rnd(M, I)
+
+        def cases(w):
+            return {  # name -> (fused(config), unfused, (M, K, N, tiles) for gemv_config)
+                "qkv": (lambda c: gv.add_rms_norm_linear(x, r, nw, EPS, w["qkv"], **c)[0],
+                        lambda: torch.matmul(add_rms_norm(x, r, nw, EPS)[0], w["qkv"]), (M, H, QKV, 1)),
+                "gate_up": (lambda c: gv.add_rms_norm_gate_up_silu(x, r, nw, EPS, w["gate_up"], **c)[0],
+                            lambda: silu_and_mul(torch.matmul(add_rms_norm(x, r, nw, EPS)[0], w["gate_up"])),
+                            (M, H, I, 2)),
+                "o": (lambda c: gv.linear_small_m(x, w["o"], **c), lambda: torch.matmul(x, w["o"]), (M, H, H, 1)),
+                "down": (lambda c: gv.linear_small_m(xi, w["down"], **c), lambda: torch.matmul(xi, w["down"]),
+                         (M, I, H, 1)),
+            }
+
+        W_om = {k: v.t().contiguous().t() for k, v in W.items()}  # output-major copies seen [K, N]
+        om = cases(W_om)
+        for name, (fused, unfused, shape) in cases(W).items():
+            row = {"unfused_us": graph_us(unfused), "fused_us": graph_us(lambda: fused({})),
+                   "config": gv.gemv_config(*shape)}
+            a, b = fused({}).float(), unfused().float()
+            row["max_abs_diff"] = (a - b).abs().max().item()
+            row["max_abs_ref"] = b.abs().max().item()
+            row["frac_equal"] = round((a == b).float().mean().item(), 4)
+            try:
+                row["fused_output_major_us"] = graph_us(lambda: om[name][0]({}))
+                row["unfused_output_major_us"] = graph_us(om[name][1])
+            except Exception as e:  # noqa: BLE001
+                row["output_major_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            if M in (1, 8):
+                sweep = {}
+                for label, cfg in SWEEP.items():
+                    try:
+                        sweep[label] = graph_us(lambda: fused(cfg))
+                    except Exception as e:  # noqa: BLE001  (e.g. out of registers / shared memory)
+                        sweep[label] = f"{type(e).__name__}: {str(e)[:120]}"
+                row["sweep_us"] = sweep
+                timed = {k: v for k, v in sweep.items() if isinstance(v, float)}
+                if timed:
+                    row["best_sweep"] = min(timed, key=timed.get)
+            rows[f"{name}_M{M}"] = row
+            report(f"gemv/{name}_M{M}", row)
+    per_layer = {}
+    for M in (1, 6, 8):
+        un = sum(rows[f"{n}_M{M}"]["unfused_us"] for n in ("qkv", "gate_up", "o", "down"))
+        fu = sum(rows[f"{n}_M{M}"]["fused_us"] for n in ("qkv", "gate_up", "o", "down"))
+        fu_keep_cublas = sum(rows[f"{n}_M{M}"]["fused_us"] for n in ("qkv", "gate_up")) + sum(
+            rows[f"{n}_M{M}"]["unfused_us"] for n in ("o", "down"))
+        per_layer[f"M{M}"] = {"unfused_us": round(un, 2), "gemv_all_us": round(fu, 2),
+                              "gemv_k1_k2_cublas_o_down_us": round(fu_keep_cublas, 2)}
+    rows["per_layer_sum"] = per_layer
+    report("gemv/per_layer_sum", per_layer)
+    res["gemv"] = rows
+    save()
+
+    # (b) the engine with SMALL_M_GEMV on vs off
+    from dspark import LLM
+    from dspark.models import llama
+
+    target, prompts = smol_target()
+    eng, tokens = {}, {}
+    # off; on (o_proj / down_proj on linear_small_m too); on with cuBLAS for o_proj / down_proj
+    for name, on, plain in (("off", False, True), ("on", True, True), ("on_cublas_o_down", True, False)):
+        llama.SMALL_M_GEMV, llama.SMALL_M_GEMV_PLAIN = on, plain  # read when the model is built
+        llm = LLM(str(target), device="cuda", dtype="bfloat16", max_model_len=2048, max_num_seqs=32,
+                  attention_backend="triton", kv_cache_memory_gb=4, enable_prefix_caching=False)
+        model = llm.engine.runner.model
+        row = {"small_m_gemv": model.small_m_gemv, "plain": model.small_m_gemv_plain}
+        for B, n in ((1, 256), (8, 128)):
+            row[f"B{B}"], toks = timed_generate(llm, prompts[:B], n)
+            tokens.setdefault(f"B{B}", {})[name] = toks
+        eng[name] = row
+        report(f"gemv/engine/{name}", row)
+        del llm, model
+        torch.cuda.empty_cache()
+    llama.SMALL_M_GEMV, llama.SMALL_M_GEMV_PLAIN = False, True
+    same = {}
+    for key, (off, on) in ((f"{B}/{name}", (runs["off"], runs[name])) for B, runs in tokens.items()
+                           for name in ("on", "on_cublas_o_down")):
+        total = sum(len(t) for t in off)
+        equal = sum(a == b for t0, t1 in zip(off, on) for a, b in zip(t0, t1))
+        prefix = 0
+        for t0, t1 in zip(off, on):
+            k = 0
+            while k < min(len(t0), len(t1)) and t0[k] == t1[k]:
+                k += 1
+            prefix += k
+        same[key] = {"frac_identical_tokens": round(equal / total, 4), "frac_common_prefix": round(prefix / total, 4),
+                     "identical_outputs": sum(t0 == t1 for t0, t1 in zip(off, on)), "outputs": len(off)}
+    eng["tokens_on_vs_off"] = same
+    report("gemv/engine/tokens_on_vs_off", same)
+    res["gemv_engine"] = eng
+    save()
+
+
 def spec_part(part: str, switch: str, temperature: float, stat: str, setup) -> None:
     """DSpark (the shipped drafter's shapes; random target weights, so drafts are mostly rejected: the
     timing of the step pipeline, not of acceptance) with ``switch`` on vs off (``setup(target,

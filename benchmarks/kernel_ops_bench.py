@@ -8,6 +8,12 @@ Shapes: hidden 576, 9 query / 3 KV heads of 64, MLP 1536, vocabulary 49152, Mark
 layer ops are timed at decode shapes (T = batch rows) and at verification shapes (T = batch ×
 (1 + γ) rows, γ = 7), where the drafter's context store also runs (about half the rows rejected).
 
+The few-row GEMVs of dspark/kernels/gemv.py with the residual add + RMSNorm prologue
+(``add_rms_norm_linear``: SmolLM2's qkv, 576 -> 960; ``add_rms_norm_gate_up_silu``: gate|up + SwiGLU,
+576 -> 2 x 1536) run at the shapes with at most 8 rows (models/llama.py GEMV_MAX_ROWS); their
+``ref ms`` is the unfused sequence they replace (add_rms_norm + cuBLAS matmul (+ silu_and_mul)), and
+they are checked against their PyTorch references (the same roundings, summation order aside).
+
 Each kernel is first checked on the GPU against its reference on the same inputs (tokens and q of
 the Markov sampler; outputs and caches of the layer ops); a failed check is reported in the table and
 in the JSON. Times are medians of ``triton.testing.do_bench`` (ms). For the Markov sampler,
@@ -40,8 +46,15 @@ from dspark.kernels.fused_ops import (
     store_context_kv,
     store_context_kv_reference,
 )
+from dspark.kernels.gemv import (
+    add_rms_norm_gate_up_silu,
+    add_rms_norm_gate_up_silu_reference,
+    add_rms_norm_linear,
+    add_rms_norm_linear_reference,
+)
 from dspark.kernels.markov_sampler import markov_sample, markov_sample_reference
 from dspark.layers.basic import RotaryEmbedding, apply_rope
+from dspark.models.llama import GEMV_MAX_ROWS
 from dspark.sample.sampler import SamplingBatch
 from dspark.sampling_params import SamplingParams
 
@@ -163,6 +176,25 @@ def run_layer_ops(batches: list[int], rep: int, verify_gamma: int = 7) -> list[d
             rows.append(record("silu_and_mul", cfg, B, T, lambda: silu_and_mul_reference(gate_up),
                                lambda: silu_and_mul(gate_up), rep, ok, diff))
 
+            # few-row GEMVs with the residual add + RMSNorm prologue vs the unfused sequence they replace
+            if T <= GEMV_MAX_ROWS:
+                w_qkv = (torch.randn(HIDDEN, (HEADS + 2 * KV_HEADS) * HEAD_DIM, device="cuda", generator=g)
+                         * HIDDEN**-0.5).to(DTYPE)
+                w_gu = (torch.randn(HIDDEN, 2 * INTER, device="cuda", generator=g) * HIDDEN**-0.5).to(DTYPE)
+                gemvs = (
+                    ("add_rms_norm_linear", lambda: add_rms_norm_linear(x, res, w, EPS, w_qkv)[0],
+                     lambda: torch.matmul(add_rms_norm(x, res, w, EPS)[0], w_qkv),
+                     lambda: add_rms_norm_linear_reference(x, res, w, EPS, w_qkv)[0]),
+                    ("add_rms_norm_gate_up_silu", lambda: add_rms_norm_gate_up_silu(x, res, w, EPS, w_gu)[0],
+                     lambda: silu_and_mul(torch.matmul(add_rms_norm(x, res, w, EPS)[0], w_gu)),
+                     lambda: add_rms_norm_gate_up_silu_reference(x, res, w, EPS, w_gu)[0]),
+                )
+                for op, fused, unfused, reference in gemvs:
+                    y, y_ref = fused(), reference()
+                    diff = float((y.float() - y_ref.float()).abs().max())
+                    ok = diff <= 2 * float(y_ref.abs().max()) * 2**-8
+                    rows.append(record(op, cfg, B, T, unfused, fused, rep, ok, diff))
+
             # drafter context K/V store (verify shapes: about half of the rows are rejected drafts)
             if shape == "verify":
                 valid = torch.rand(T, device="cuda", generator=g) < 0.5
@@ -186,14 +218,14 @@ def record(op: str, cfg: str, B: int, T: int, ref, tri, rep: int, ok: bool, diff
     return row
 
 
-HEADER = f"{'op':<18} {'config':<26} {'B':>3} {'γ':>2} {'rows':>5} {'ref ms':>8} {'triton ms':>9} " \
+HEADER = f"{'op':<25} {'config':<26} {'B':>3} {'γ':>2} {'rows':>5} {'ref ms':>8} {'triton ms':>9} " \
          f"{'graph ms':>8} {'speedup':>7}  check"
 
 
 def print_row(r: dict) -> None:
     graph = f"{r['graph_ms']:8.4f}" if r.get("graph_ms") is not None else f"{'-':>8}"
     gamma = r["gamma"] if r["gamma"] is not None else "-"
-    print(f"{r['op']:<18} {r['config']:<26} {r['batch']:>3} {gamma!s:>2} {r['rows']:>5} {r['ref_ms']:8.4f} "
+    print(f"{r['op']:<25} {r['config']:<26} {r['batch']:>3} {gamma!s:>2} {r['rows']:>5} {r['ref_ms']:8.4f} "
           f"{r['triton_ms']:9.4f} {graph} {r['speedup']:6.2f}x  {'ok' if r['correct'] else 'MISMATCH'}", flush=True)
 
 
