@@ -25,8 +25,9 @@ parts (comma-separated, default all):
            M = 1/6/8 rows: (a) µs in a graph of 30 of add_rms_norm_linear vs add_rms_norm + matmul
            (576 -> 960), add_rms_norm_gate_up_silu vs add_rms_norm + matmul + silu_and_mul (576 -> 2x1536),
            linear_small_m vs matmul (576 -> 576, 1536 -> 576), max abs diff vs the unfused result, the
-           same with output-major weights, and at M = 1 and 8 a sweep of launch configurations (block_n,
-           block_k, num_warps, num_stages); (b) the engine (greedy, EOS ignored) at B=1 x 256 and
+           same with output-major weights, and at M = 1 a sweep of launch configurations (block_n,
+           block_k, num_warps, num_stages).
+  gemv_engine (not in the default list) the engine (greedy, EOS ignored) at B=1 x 256 and
            B=8 x 128 tokens with models/llama.py SMALL_M_GEMV off, on, and on with cuBLAS kept for o_proj /
            down_proj (SMALL_M_GEMV_PLAIN False): tok/s and the fraction of tokens identical to "off"
            (summation order differs from cuBLAS, so random-weight near-ties may flip).
@@ -287,10 +288,9 @@ if "gemv" in parts:
     nw = (torch.rand(H, device=dev, generator=g) + 0.5).to(torch.bfloat16)
     W = {"qkv": rnd(H, QKV, scale=H**-0.5), "gate_up": rnd(H, 2 * I, scale=H**-0.5), "o": rnd(H, H, scale=H**-0.5),
          "down": rnd(I, H, scale=I**-0.5)}
-    SWEEP = {"bn4": dict(block_n=4), "bn8": dict(block_n=8), "bn16": dict(block_n=16), "bn32": dict(block_n=32),
-             "bn64": dict(block_n=64), "warps2": dict(num_warps=2), "warps8": dict(num_warps=8),
-             "bk128_s3": dict(block_k=128), "bk128_s4": dict(block_k=128, num_stages=4),
-             "bn16_bk128_s3": dict(block_n=16, block_k=128)}
+    # a small sweep at M = 1 only: every setting is a Triton compile per kernel (~1-2 s each)
+    SWEEP = {"bn4": dict(block_n=4), "bn16": dict(block_n=16), "warps8": dict(num_warps=8),
+             "bk128_s3": dict(block_k=128), "bn16_bk128_s3": dict(block_n=16, block_k=128)}
     rows = {}
     for M in (1, 6, 8):
         x, r, xi = rnd(M, H), rnd(M, H, scale=4.0), rnd(M, I)
@@ -321,7 +321,7 @@ if "gemv" in parts:
                 row["unfused_output_major_us"] = graph_us(om[name][1])
             except Exception as e:  # noqa: BLE001
                 row["output_major_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-            if M in (1, 8):
+            if M == 1:
                 sweep = {}
                 for label, cfg in SWEEP.items():
                     try:
@@ -347,7 +347,7 @@ if "gemv" in parts:
     res["gemv"] = rows
     save()
 
-    # (b) the engine with SMALL_M_GEMV on vs off
+if "gemv_engine" in parts:  # (b) the engine with SMALL_M_GEMV on vs off
     from dspark import LLM
     from dspark.models import llama
 
