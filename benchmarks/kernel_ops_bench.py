@@ -10,7 +10,7 @@ layer ops are timed at decode shapes (T = batch rows) and at verification shapes
 
 The few-row GEMVs of dspark/kernels/gemv.py with the residual add + RMSNorm prologue
 (``add_rms_norm_linear``: SmolLM2's qkv, 576 -> 960; ``add_rms_norm_gate_up_silu``: gate|up + SwiGLU,
-576 -> 2 x 1536) run at the shapes with at most 8 rows (models/llama.py GEMV_MAX_ROWS); their
+576 -> 2 x 1536) run at the shapes with at most 8 rows (the kernels take up to 16; models/llama.py uses them at 1); their
 ``ref ms`` is the unfused sequence they replace (add_rms_norm + cuBLAS matmul (+ silu_and_mul)), and
 they are checked against their PyTorch references (the same roundings, summation order aside).
 
@@ -54,7 +54,7 @@ from dspark.kernels.gemv import (
 )
 from dspark.kernels.markov_sampler import markov_sample, markov_sample_reference
 from dspark.layers.basic import RotaryEmbedding, apply_rope
-from dspark.models.llama import GEMV_MAX_ROWS
+GEMV_ROWS = 8  # the shapes the GEMV rows are timed at (models/llama.py uses the kernels at GEMV_MAX_ROWS = 1)
 from dspark.sample.sampler import SamplingBatch
 from dspark.sampling_params import SamplingParams
 
@@ -177,7 +177,7 @@ def run_layer_ops(batches: list[int], rep: int, verify_gamma: int = 7) -> list[d
                                lambda: silu_and_mul(gate_up), rep, ok, diff))
 
             # few-row GEMVs with the residual add + RMSNorm prologue vs the unfused sequence they replace
-            if T <= GEMV_MAX_ROWS:
+            if T <= GEMV_ROWS:
                 w_qkv = (torch.randn(HIDDEN, (HEADS + 2 * KV_HEADS) * HEAD_DIM, device="cuda", generator=g)
                          * HIDDEN**-0.5).to(DTYPE)
                 w_gu = (torch.randn(HIDDEN, 2 * INTER, device="cuda", generator=g) * HIDDEN**-0.5).to(DTYPE)

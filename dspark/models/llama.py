@@ -15,7 +15,7 @@ Two forwards, chosen by ``LlamaForCausalLM.fused``:
   is launch-bound at decode (every launch costs several µs, ~30 layers), so the point is fewer
   launches per layer: 9 (10 when paged attention splits the key range) instead of 26 for Llama in
   bf16 (22 in fp32, 8 more with Qwen3's q/k norm), counting each F.rms_norm as one kernel. With
-  ``small_m_gemv`` (SMALL_M_GEMV, off by default), steps of at most GEMV_MAX_ROWS rows take 6 (the
+  ``small_m_gemv`` (SMALL_M_GEMV, on for CUDA by default), steps of at most GEMV_MAX_ROWS (1) rows take 6 (the
   GEMV kernels of dspark/kernels/gemv.py, see ``DecoderLayer.forward_gemv``).
 """
 
@@ -39,14 +39,20 @@ from dspark.models.errors import ModelLoadError
 # the GPU (benchmarks/gpu_fastpath_check.py); DSPARK_ROPE_IN_ATTENTION=1 turns it on.
 ROPE_IN_ATTENTION = os.environ.get("DSPARK_ROPE_IN_ATTENTION") == "1"
 
-# Few-row steps (T <= GEMV_MAX_ROWS: decode at small batch, short verification blocks) of the fused
-# forward on the GEMV kernels of dspark/kernels/gemv.py, which fold each residual add + RMSNorm into the
-# projection after it and SwiGLU into the gate|up projection: 3 launches fewer per layer (see
-# DecoderLayer.forward_gemv). Same roundings as the GEMM path, only the fp32 summation order of the
-# products differs (not bit-identical to cuBLAS). Off until measured on the GPU
-# (benchmarks/gpu_fastpath_check.py, part gemv); DSPARK_SMALL_M_GEMV=1 turns it on.
-SMALL_M_GEMV = os.environ.get("DSPARK_SMALL_M_GEMV") == "1"
-GEMV_MAX_ROWS = 8
+# Few-row steps (T <= GEMV_MAX_ROWS) of the fused forward on the GEMV kernels of dspark/kernels/gemv.py,
+# which fold each residual add + RMSNorm into the projection after it and SwiGLU into the gate|up
+# projection: 3 launches fewer per layer (see DecoderLayer.forward_gemv). Same roundings as the GEMM
+# path, only the fp32 summation order of the products differs (not bit-identical to cuBLAS).
+# Measured on the H200 (session 13, benchmarks/gpu_fastpath_check.py parts gemv / gemv_engine, random
+# SmolLM2-shaped weights, bf16): at ONE row the four products of a layer with their neighbours take
+# 13.8 µs instead of 18.5 (graphs of 30 launches) and batch-1 greedy decode runs at 1,152 tok/s instead
+# of 974 (0.839 vs 0.997 ms per graph step); at 6 and 8 rows the kernels' row loop makes them 2-2.7x
+# slower than cuBLAS + the unfused kernels (40-51 vs 19 µs per layer), so GEMV_MAX_ROWS is 1: batch-1
+# decode steps only (not verification blocks). DSPARK_SMALL_M_GEMV=1 turns the path on everywhere,
+# =0 off; unset, it is on for CUDA tensors only (in Triton's CPU interpreter its ~100 programs per
+# launch cost more than they save, and CPU tests turn it on explicitly).
+SMALL_M_GEMV = {"1": True, "0": False}.get(os.environ.get("DSPARK_SMALL_M_GEMV", ""))  # None: CUDA only
+GEMV_MAX_ROWS = 1
 # With SMALL_M_GEMV, o_proj and down_proj on gemv.linear_small_m too (no launch saved there, only a
 # different kernel than cuBLAS's); DSPARK_SMALL_M_GEMV_PLAIN=0 keeps cuBLAS for those two.
 SMALL_M_GEMV_PLAIN = os.environ.get("DSPARK_SMALL_M_GEMV_PLAIN", "1") == "1"
@@ -209,8 +215,10 @@ class LlamaForCausalLM(nn.Module):
         self._lm_head_half: torch.Tensor | None = None  # see use_half_lm_head
         # RoPE and the K/V write inside the attention launch (fused forward only; see ROPE_IN_ATTENTION)
         self.rope_in_attention = ROPE_IN_ATTENTION and cfg.head_dim & (cfg.head_dim - 1) == 0
-        # steps of at most GEMV_MAX_ROWS rows on the GEMV kernels (fused forward only; see SMALL_M_GEMV)
-        self.small_m_gemv = SMALL_M_GEMV
+        # steps of at most gemv_max_rows rows on the GEMV kernels (fused forward only; see SMALL_M_GEMV);
+        # None: on CUDA only
+        self.small_m_gemv: bool | None = SMALL_M_GEMV
+        self.gemv_max_rows = GEMV_MAX_ROWS
         self.small_m_gemv_plain = SMALL_M_GEMV_PLAIN  # o_proj / down_proj on the GEMV too
 
     def forward(
@@ -249,7 +257,8 @@ class LlamaForCausalLM(nn.Module):
         from dspark.kernels.fused_ops import add_rms_norm
 
         taps: dict[int, torch.Tensor] = {}
-        gemv = self.small_m_gemv and input_ids.shape[0] <= GEMV_MAX_ROWS
+        on = input_ids.is_cuda if self.small_m_gemv is None else self.small_m_gemv
+        gemv = on and input_ids.shape[0] <= self.gemv_max_rows
         if gemv and all(layer.gemv_ready() for layer in self.layers):
             x, residual = self.embed_tokens(input_ids), None  # layer 0 norms the embeddings in its qkv GEMV
             for i, layer in enumerate(self.layers):

@@ -224,7 +224,7 @@ def _decode_step(model, backend, gemv: bool, dtype):
     ids = torch.randint(0, cfg.vocab_size, (T,), generator=g)
     kv = torch.randn(cfg.num_hidden_layers, 2, num_blocks, 4, cfg.num_key_value_heads, cfg.head_dim,
                      generator=g).to(dtype)
-    model.fused, model.small_m_gemv = True, gemv
+    model.fused, model.small_m_gemv, model.gemv_max_rows = True, gemv, 8
     hidden, taps = model(ids, layout.positions, backend, backend.prepare(layout), kv)
     return hidden, taps, kv
 
@@ -233,7 +233,7 @@ def _decode_step(model, backend, gemv: bool, dtype):
 def test_fused_forward_gemv_matches_gemm_path(model_case, dtype, monkeypatch, wide_tiles) -> None:
     """Hidden states, taps (each layer's raw output, now formed inside the next layer's qkv GEMV) and
     K/V caches of the GEMV path equal the GEMM path's up to summation order."""
-    from dspark.models.llama import GEMV_MAX_ROWS, DecoderLayer
+    from dspark.models.llama import DecoderLayer
     from tests.models.test_fused_forward import RefAttentionBackend, assert_close, build_model
 
     arch, path, taps = model_case
@@ -246,10 +246,10 @@ def test_fused_forward_gemv_matches_gemm_path(model_case, dtype, monkeypatch, wi
     orig = DecoderLayer.forward_gemv
     monkeypatch.setattr(DecoderLayer, "forward_gemv", lambda self, *a, **k: calls.append(1) or orig(self, *a, **k))
     got = _decode_step(model, backend, True, dtype)
-    assert len(calls) == model.config.num_hidden_layers and got[0].shape[0] == GEMV_MAX_ROWS
+    assert len(calls) == model.config.num_hidden_layers and got[0].shape[0] == model.gemv_max_rows
     tol = 1e-5 if dtype == torch.float32 else 2**-7
     H = model.config.hidden_size
-    assert got[1].shape == want[1].shape == (GEMV_MAX_ROWS, len(taps) * H)
+    assert got[1].shape == want[1].shape == (model.gemv_max_rows, len(taps) * H)
     for g, w in zip(got, want):
         assert_close(g, w, tol)
     if arch == "llama" and dtype == torch.float32:  # o_proj / down_proj left to the Linears
@@ -272,7 +272,7 @@ def test_fused_forward_gemv_off_for_many_rows_and_batch_invariant(model_case, mo
 
     monkeypatch.setattr(DecoderLayer, "forward_gemv", fail)
     model = build_model(path, taps)
-    model.small_m_gemv = True
+    model.small_m_gemv, model.gemv_max_rows = True, 8
     assert run_step(model, RefAttentionBackend("cpu"), fused=True)[0].shape[0] > 8
     use_batch_invariant(model)
     _decode_step(model, RefAttentionBackend("cpu"), True, torch.float32)
@@ -297,7 +297,7 @@ def test_engine_greedy_tokens_gemv_on_off(model_case, tmp_path_factory, wide_til
     for on in (False, True):
         llm = LLM(str(path), attention_backend="triton", **kw)
         assert llm.engine.runner.model.fused
-        llm.engine.runner.model.small_m_gemv = on
+        llm.engine.runner.model.small_m_gemv, llm.engine.runner.model.gemv_max_rows = on, 8
         runs.append(([o.token_ids for o in llm.generate(prompts, GREEDY)],
                      (llm.engine.spec_stats.num_drafts, llm.engine.spec_stats.num_accepted)))
     assert runs[0] == runs[1] and runs[0][1][0] > 0 and calls
