@@ -155,14 +155,14 @@ class DecoderLayer(nn.Module):
         a = self.self_attn
         T = x.shape[0]
         ln = self.input_layernorm
-        qkv, h = add_rms_norm_linear(x, residual, ln.weight, ln.eps, a.qkv_proj.weight_t, a.qkv_proj.bias)
+        qkv, h = add_rms_norm_linear(x, residual, ln.weight, ln.eps, _gemv_w(a.qkv_proj), a.qkv_proj.bias)
         o = self._attend_fused(qkv, positions, rope, backend, meta, kv, rope_in_attention)
         o = o.reshape(T, a.q_size)
-        o = linear_small_m(o, a.o_proj.weight_t, a.o_proj.bias) if plain else a.o_proj(o)
+        o = linear_small_m(o, _gemv_w(a.o_proj), a.o_proj.bias) if plain else a.o_proj(o)
         norm = self.post_attention_layernorm
-        act, residual = add_rms_norm_gate_up_silu(o, h, norm.weight, norm.eps, self.mlp.gate_up_proj.weight_t)
+        act, residual = add_rms_norm_gate_up_silu(o, h, norm.weight, norm.eps, _gemv_w(self.mlp.gate_up_proj))
         down = self.mlp.down_proj
-        return (linear_small_m(act, down.weight_t, down.bias) if plain else down(act)), residual, h
+        return (linear_small_m(act, _gemv_w(down), down.bias) if plain else down(act)), residual, h
 
     def _attend_fused(self, qkv: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                       backend: TritonAttentionBackend, meta: TritonAttentionMetadata, kv: torch.Tensor,
@@ -191,6 +191,18 @@ class DecoderLayer(nn.Module):
         a, mlp = self.self_attn, self.mlp
         linears = (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
         return mlp.gate_up_proj.bias is None and not any(lin.batch_invariant for lin in linears)
+
+
+def _gemv_w(lin) -> torch.Tensor:
+    """The weight the GEMV kernels read: the output-major copy if LlamaForCausalLM.use_gemv_output_major
+    made one, else the Linear's own input-major weight."""
+    w = getattr(lin, "gemv_weight_t", None)
+    return lin.weight_t if w is None else w
+
+
+# Output-major copies for the GEMV path only up to this many bytes of decoder weights (a second copy of
+# them): a small model's batch-1 decode is launch- and latency-bound, a large one's is not.
+GEMV_OUTPUT_MAJOR_MAX_BYTES = 1 << 30
 
 
 class LlamaForCausalLM(nn.Module):
@@ -281,6 +293,26 @@ class LlamaForCausalLM(nn.Module):
                     taps[i] = residual
         tap = torch.cat([taps[i] for i in self.tap_layers], dim=-1) if taps else None
         return x, tap
+
+    def use_gemv_output_major(self, any_device: bool = False) -> bool:
+        """Give the GEMV path (forward_gemv) output-major copies ``[N, K]`` (seen ``[K, N]``) of the
+        decoder's weights, on CUDA, when the GEMV path may run and the copies take at most
+        GEMV_OUTPUT_MAJOR_MAX_BYTES; the Linears keep their input-major weights for cuBLAS (which is
+        slower on output-major weights at few rows: docs/benchmarks.md, session 11). Measured on the
+        H200 (session 13, one row, graphs of 30): qkv 2.40 vs 2.88 µs, gate_up 4.11 vs 5.50, o 1.83 vs
+        2.10, down 2.61 vs 3.35: each program then reads whole rows of K contiguous elements instead of
+        8-16-element runs. Same values, other memory layout. Returns whether the copies were made.
+        ``any_device``: on a CPU too (tests, in Triton's interpreter)."""
+        if self.small_m_gemv is False or (self.embed_tokens.weight.device.type != "cuda" and not any_device):
+            return False
+        lins = [lin for layer in self.layers if layer.gemv_ready()
+                for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                            layer.mlp.down_proj)]
+        if not lins or sum(lin.weight_t.numel() * lin.weight_t.element_size() for lin in lins) > GEMV_OUTPUT_MAJOR_MAX_BYTES:
+            return False
+        for lin in lins:
+            lin.gemv_weight_t = lin.weight_t.detach().t().contiguous().t()
+        return True
 
     def use_half_lm_head(self, output_major: bool = False) -> bool:
         """On CUDA with bf16/fp16 activations: compute the fp32 logits from a half-precision copy of the

@@ -256,6 +256,15 @@ def test_fused_forward_gemv_matches_gemm_path(model_case, dtype, monkeypatch, wi
         model.small_m_gemv_plain = False
         for g, w in zip(_decode_step(model, backend, True, dtype), want):
             assert_close(g, w, tol)
+    if arch == "llama":  # output-major copies for the GEMVs (LlamaForCausalLM.use_gemv_output_major)
+        model.small_m_gemv_plain = True
+        assert model.use_gemv_output_major(any_device=True)
+        w_t = model.layers[0].mlp.gate_up_proj.gemv_weight_t
+        assert w_t.stride(0) == 1 and torch.equal(w_t, model.layers[0].mlp.gate_up_proj.weight_t)
+        for g, w in zip(_decode_step(model, backend, True, dtype), want):
+            assert_close(g, w, tol)
+        model.small_m_gemv = False
+        assert not model.use_gemv_output_major(any_device=True)  # the GEMV path is off: no copies
 
 
 def test_fused_forward_gemv_off_for_many_rows_and_batch_invariant(model_case, monkeypatch) -> None:
