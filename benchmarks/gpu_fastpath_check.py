@@ -26,10 +26,12 @@ parts (comma-separated, default all):
            (576 -> 960), add_rms_norm_gate_up_silu vs add_rms_norm + matmul + silu_and_mul (576 -> 2x1536),
            linear_small_m vs matmul (576 -> 576, 1536 -> 576), max abs diff vs the unfused result, the
            same with output-major weights, and at M = 1 a sweep of launch configurations (block_n,
-           block_k, num_warps, num_stages).
+           block_k, num_warps, num_stages); at M = 6/8 the 3-D partial-product tile (the default from 2
+           rows) vs the row loop (rows3d=False), and a small sweep of the 3-D tile on output-major weights.
   gemv_engine (not in the default list) the engine (greedy, EOS ignored) at B=1 x 256 and
            B=8 x 128 tokens with models/llama.py SMALL_M_GEMV off, on, and on with cuBLAS kept for o_proj /
-           down_proj (SMALL_M_GEMV_PLAIN False): tok/s and the fraction of tokens identical to "off"
+           down_proj (SMALL_M_GEMV_PLAIN False), and on for steps of up to 8 rows (GEMV_MAX_ROWS 8: B=8
+           on the 3-D tile GEMVs): tok/s and the fraction of tokens identical to "off"
            (summation order differs from cuBLAS, so random-weight near-ties may flip).
 Writes OUT_DIR/fastpath.json and prints a summary.
 """
@@ -321,6 +323,17 @@ if "gemv" in parts:
                 row["unfused_output_major_us"] = graph_us(om[name][1])
             except Exception as e:  # noqa: BLE001
                 row["output_major_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            if M > 1:  # the 3-D partial-product tile (the default from 2 rows) vs the row loop
+                row["fused_row_loop_us"] = graph_us(lambda: fused(dict(rows3d=False)))
+                row["fused_output_major_row_loop_us"] = graph_us(lambda: om[name][0](dict(rows3d=False)))
+                sweep = {}
+                for label, cfg in {"bk16": dict(block_k=16), "bk64": dict(block_k=64), "bn16": dict(block_n=16),
+                                   "warps8": dict(num_warps=8)}.items():
+                    try:
+                        sweep[label] = graph_us(lambda: om[name][0](cfg))
+                    except Exception as e:  # noqa: BLE001
+                        sweep[label] = f"{type(e).__name__}: {str(e)[:120]}"
+                row["sweep_output_major_3d_us"] = sweep
             if M == 1:
                 sweep = {}
                 for label, cfg in SWEEP.items():
@@ -354,8 +367,10 @@ if "gemv_engine" in parts:  # (b) the engine with SMALL_M_GEMV on vs off
     target, prompts = smol_target()
     eng, tokens = {}, {}
     # off; on (o_proj / down_proj on linear_small_m too); on with cuBLAS for o_proj / down_proj
-    for name, on, plain in (("off", False, True), ("on", True, True), ("on_cublas_o_down", True, False)):
+    for name, on, plain, rows in (("off", False, True, 1), ("on", True, True, 1), ("on_cublas_o_down", True, False, 1),
+                                  ("on_8_rows", True, True, 8)):
         llama.SMALL_M_GEMV, llama.SMALL_M_GEMV_PLAIN = on, plain  # read when the model is built
+        llama.GEMV_MAX_ROWS = rows  # on_8_rows: B = 2..8 decode steps on the 3-D tile GEMVs too
         llm = LLM(str(target), device="cuda", dtype="bfloat16", max_model_len=2048, max_num_seqs=32,
                   attention_backend="triton", kv_cache_memory_gb=4, enable_prefix_caching=False)
         model = llm.engine.runner.model
@@ -367,10 +382,10 @@ if "gemv_engine" in parts:  # (b) the engine with SMALL_M_GEMV on vs off
         report(f"gemv/engine/{name}", row)
         del llm, model
         torch.cuda.empty_cache()
-    llama.SMALL_M_GEMV, llama.SMALL_M_GEMV_PLAIN = False, True
+    llama.SMALL_M_GEMV, llama.SMALL_M_GEMV_PLAIN, llama.GEMV_MAX_ROWS = None, True, 1
     same = {}
     for key, (off, on) in ((f"{B}/{name}", (runs["off"], runs[name])) for B, runs in tokens.items()
-                           for name in ("on", "on_cublas_o_down")):
+                           for name in ("on", "on_cublas_o_down", "on_8_rows")):
         total = sum(len(t) for t in off)
         equal = sum(a == b for t0, t1 in zip(off, on) for a, b in zip(t0, t1))
         prefix = 0

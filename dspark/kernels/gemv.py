@@ -23,7 +23,11 @@ Design (bandwidth at 1-8 rows): the grid runs over N tiles of BLOCK_N columns (s
 as many programs as the GPU has SMs read the weight: 132 on an H200); each program loops over K in
 BLOCK_K steps (one step for K = 576), loading its ``[BLOCK_K, BLOCK_N]`` weight tile once and
 multiplying it with every row (a static loop over the M rows: broadcast-multiply and a sum over K,
-fp32 accumulation; no ``tl.dot``, whose tiles need 16 rows). The weight may be input-major
+fp32 accumulation; no ``tl.dot``, whose tiles need 16 rows). Measured on the H200 (session 13) the
+row loop wins at one row but is 2-2.7x slower than cuBLAS at 6-8 rows, since every row is reduced
+over K at every K step and selected into the whole accumulator; from ROWS3D_MIN_ROWS rows on the
+kernel instead keeps a ``[rows, BLOCK_K, BLOCK_N]`` tile of partial products and reduces it over K
+once at the end (``rows3d``; CPU-tested, not yet timed on a GPU). The weight may be input-major
 ``[K, N]`` (the default Linear layout) or a transposed view of an output-major copy (any strides).
 With the norm prologue every program first computes the rows' sums of squares of ``s`` (K is small:
 the rows are re-read from L1/L2 in the product loop, where each program recomputes its slice of the
@@ -56,6 +60,8 @@ MAX_ROWS = 16  # the row loop is unrolled: more rows belong to a GEMM
 TARGET_PROGRAMS = 128  # about the SM count (H200: 132): programs wanted along N
 WEIGHT_ELEMS_PER_THREAD = 64  # register budget of the weight tile(s) per K step
 NORM_TILE_ELEMS = 8192  # rows x K elements of the sum-of-squares tile
+ROWS3D_MIN_ROWS = 2  # from this many rows on, the 3-D partial-product tile (gemv_config's rows3d)
+ACC3_ELEMS_PER_THREAD = 32  # its register budget per thread (per weight tile)
 
 
 # ------------------------------------------------------------------------------------- kernel
@@ -66,7 +72,7 @@ def _gemv_kernel(
     K, N, UP,
     M: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr,
     NUM_STAGES: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
-    GATE_UP: tl.constexpr, PRECISE: tl.constexpr,
+    GATE_UP: tl.constexpr, PRECISE: tl.constexpr, ROWS3D: tl.constexpr,
 ):
     """y[:, n] = a @ W[:, n] for this program's BLOCK_N columns n, a = x (plain) or
     weight_norm * rmsnorm(x + residual) (NORM). GATE_UP: also u = a @ W[:, UP + n], y = silu(y) * u."""
@@ -92,32 +98,59 @@ def _gemv_kernel(
             ss += tl.sum(sf * sf, 1)
         inv = tl.math.rsqrt(ss / K + eps)
 
-    acc = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
-    acc_u = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
-    kb = tl.arange(0, BLOCK_K)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-        k = k0 + kb
-        km = k < K
-        wmask = km[:, None] & nm[None, :]
-        w_off = k[:, None] * stride_wk + n[None, :] * stride_wn
-        w = tl.load(w_ptr + w_off, mask=wmask, other=0.0).to(tl.float32)  # the weight first: in flight early
-        if GATE_UP:
-            wu = tl.load(w_ptr + w_off + UP * stride_wn, mask=wmask, other=0.0).to(tl.float32)
-        if NORM:
-            g = tl.load(nw_ptr + k, mask=km, other=0.0).to(tl.float32)
-        for m in tl.static_range(M):
-            a = tl.load(x_ptr + m * stride_x + k, mask=km, other=0.0)
-            if NORM:  # fused_ops.add_rms_norm's roundings, on this K slice of row m
-                if HAS_RES:
-                    r = tl.load(r_ptr + m * stride_r + k, mask=km, other=0.0)
-                    a = cast_rtne(a.to(tl.float32) + r.to(tl.float32), dt)
-                inv_m = tl.sum(tl.where(rows == m, inv, 0.0), 0)
-                a = cast_rtne(cast_rtne(a.to(tl.float32) * inv_m, dt).to(tl.float32) * g, dt)
-            af = a.to(tl.float32)[:, None]
-            sel = (rows == m)[:, None]
-            acc = tl.where(sel, acc + tl.sum(af * w, 0)[None, :], acc)
+    if ROWS3D:  # every row at once: [BM, BLOCK_K, BLOCK_N] partial products, one K reduction at the end
+        kb = tl.arange(0, BLOCK_K)
+        acc3 = tl.zeros([BM, BLOCK_K, BLOCK_N], dtype=tl.float32)
+        acc3_u = tl.zeros([BM, BLOCK_K, BLOCK_N], dtype=tl.float32)
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+            k = k0 + kb
+            km = k < K
+            wmask = km[:, None] & nm[None, :]
+            w_off = k[:, None] * stride_wk + n[None, :] * stride_wn
+            w = tl.load(w_ptr + w_off, mask=wmask, other=0.0).to(tl.float32)
             if GATE_UP:
-                acc_u = tl.where(sel, acc_u + tl.sum(af * wu, 0)[None, :], acc_u)
+                wu = tl.load(w_ptr + w_off + UP * stride_wn, mask=wmask, other=0.0).to(tl.float32)
+            mk = rm[:, None] & km[None, :]
+            a = tl.load(x_ptr + rows[:, None] * stride_x + k[None, :], mask=mk, other=0.0)
+            if NORM:  # fused_ops.add_rms_norm's roundings, on this K slice of every row
+                g = tl.load(nw_ptr + k, mask=km, other=0.0).to(tl.float32)
+                if HAS_RES:
+                    r = tl.load(r_ptr + rows[:, None] * stride_r + k[None, :], mask=mk, other=0.0)
+                    a = cast_rtne(a.to(tl.float32) + r.to(tl.float32), dt)
+                a = cast_rtne(cast_rtne(a.to(tl.float32) * inv[:, None], dt).to(tl.float32) * g[None, :], dt)
+            af = a.to(tl.float32)[:, :, None]
+            acc3 += af * w[None, :, :]
+            if GATE_UP:
+                acc3_u += af * wu[None, :, :]
+        acc = tl.sum(acc3, 1)
+        acc_u = tl.sum(acc3_u, 1)
+    else:  # a static loop over the rows, each reduced over K at every K step
+        acc = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
+        kb = tl.arange(0, BLOCK_K)
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+            k = k0 + kb
+            km = k < K
+            wmask = km[:, None] & nm[None, :]
+            w_off = k[:, None] * stride_wk + n[None, :] * stride_wn
+            w = tl.load(w_ptr + w_off, mask=wmask, other=0.0).to(tl.float32)  # the weight first: in flight early
+            if GATE_UP:
+                wu = tl.load(w_ptr + w_off + UP * stride_wn, mask=wmask, other=0.0).to(tl.float32)
+            if NORM:
+                g = tl.load(nw_ptr + k, mask=km, other=0.0).to(tl.float32)
+            for m in tl.static_range(M):
+                a = tl.load(x_ptr + m * stride_x + k, mask=km, other=0.0)
+                if NORM:  # fused_ops.add_rms_norm's roundings, on this K slice of row m
+                    if HAS_RES:
+                        r = tl.load(r_ptr + m * stride_r + k, mask=km, other=0.0)
+                        a = cast_rtne(a.to(tl.float32) + r.to(tl.float32), dt)
+                    inv_m = tl.sum(tl.where(rows == m, inv, 0.0), 0)
+                    a = cast_rtne(cast_rtne(a.to(tl.float32) * inv_m, dt).to(tl.float32) * g, dt)
+                af = a.to(tl.float32)[:, None]
+                sel = (rows == m)[:, None]
+                acc = tl.where(sel, acc + tl.sum(af * w, 0)[None, :], acc)
+                if GATE_UP:
+                    acc_u = tl.where(sel, acc_u + tl.sum(af * wu, 0)[None, :], acc_u)
 
     if HAS_BIAS:
         acc = acc + tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
@@ -141,20 +174,28 @@ def _pow2(v: int, what: str) -> int:
 
 
 def gemv_config(M: int, K: int, N: int, tiles: int = 1, block_n: int | None = None, block_k: int | None = None,
-                num_warps: int | None = None, num_stages: int | None = None) -> dict:
+                num_warps: int | None = None, num_stages: int | None = None, rows3d: bool | None = None) -> dict:
     """Launch configuration for M rows, reduction size K and N output columns per weight tile (``tiles``
     tiles per program: 2 for gate|up). Defaults: BLOCK_N the smallest power of two >= 8 giving at most
     ~TARGET_PROGRAMS programs (at most 64); BLOCK_K as large as WEIGHT_ELEMS_PER_THREAD allows (one K
     step for SmolLM2's K = 576 at BLOCK_N 8); cp.async pipelining (3 stages) only with several K steps.
-    Any value can be overridden (benchmarks sweep them)."""
+    Any value can be overridden (benchmarks sweep them).
+
+    ``rows3d`` (default: from ROWS3D_MIN_ROWS rows on): every row in one ``[BM, BLOCK_K, BLOCK_N]``
+    tile of partial products, reduced over K once at the end, instead of the static loop over rows
+    that reduces each row at every K step. BLOCK_K then shrinks so that the partial products stay at
+    ACC3_ELEMS_PER_THREAD registers per thread. Measured at 1 row only (where the row loop is the
+    faster-measured path: docs/benchmarks.md, session 13); the 3-D tile is for 2-16 rows."""
     nw = num_warps or 4
-    bn = _pow2(block_n, "block_n") if block_n else max(8, min(64, next_pow2(triton.cdiv(N, TARGET_PROGRAMS))))
-    bk = _pow2(block_k, "block_k") if block_k else max(
-        16, min(next_pow2(K), WEIGHT_ELEMS_PER_THREAD * 32 * nw // (bn * tiles)))
-    stages = num_stages or (1 if bk >= K else 3)
     bm = next_pow2(M)
+    r3 = M >= ROWS3D_MIN_ROWS if rows3d is None else rows3d
+    bn = _pow2(block_n, "block_n") if block_n else max(8, min(64, next_pow2(triton.cdiv(N, TARGET_PROGRAMS))))
+    per_k = bn * tiles * (bm if r3 else 1)  # registers per K element of the weight tile(s) or partial products
+    budget = (ACC3_ELEMS_PER_THREAD if r3 else WEIGHT_ELEMS_PER_THREAD) * 32 * nw
+    bk = _pow2(block_k, "block_k") if block_k else max(16, min(next_pow2(K), budget // per_k))
+    stages = num_stages or (1 if bk >= K else 3)
     return dict(BLOCK_N=bn, BLOCK_K=bk, NORM_BLOCK=max(16, min(next_pow2(K), max(bk, NORM_TILE_ELEMS // bm))),
-                NUM_STAGES=stages, num_warps=nw)
+                NUM_STAGES=stages, num_warps=nw, ROWS3D=r3)
 
 
 # ----------------------------------------------------------------------------------- wrappers
@@ -205,7 +246,7 @@ def _launch(x2, r2, s2, norm_weight, eps, w_t, bias, y2, N, up, cfg, norm, gate_
         K, N, up,
         M=M, BM=next_pow2(M), BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], NORM_BLOCK=cfg["NORM_BLOCK"],
         NUM_STAGES=cfg["NUM_STAGES"], NORM=norm, HAS_RES=r2 is not None, HAS_BIAS=bias is not None,
-        GATE_UP=gate_up, PRECISE=x2.device.type == "cuda",
+        GATE_UP=gate_up, PRECISE=x2.device.type == "cuda", ROWS3D=cfg["ROWS3D"],
         num_warps=cfg["num_warps"], **_launch_opts(x2),
     )
 

@@ -158,6 +158,27 @@ def test_k_loop_steps(M: int, K: int, block_k: int | None) -> None:
     _assert_gemv_close(linear_small_m(x, w, block_k=block_k), linear_small_m_reference(x, w), _bound(x, w))
 
 
+@pytest.mark.parametrize("M", [1, 3, 8])
+@pytest.mark.parametrize("rows3d", [False, True])
+def test_row_loop_and_3d_tile(M: int, rows3d: bool) -> None:
+    """Both ways through the rows (gemv_config's rows3d; the default switches at ROWS3D_MIN_ROWS) give
+    the references' results, with a residual, strided rows, a bias and the gate|up epilogue."""
+    from dspark.kernels.gemv import ROWS3D_MIN_ROWS
+
+    assert gemv_config(M, 576, 960)["ROWS3D"] == (M >= ROWS3D_MIN_ROWS)
+    assert gemv_config(M, 576, 960, rows3d=rows3d)["ROWS3D"] == rows3d
+    x, res, nw, w, bias = _inputs(M, 100, 40, torch.float32, True, True, seed=M + 17 * rows3d)
+    cfg = dict(block_n=16, rows3d=rows3d)
+    y, s = add_rms_norm_linear(x, res, nw, 1e-5, w, bias, **cfg)
+    y_ref, s_ref = add_rms_norm_linear_reference(x, res, nw, 1e-5, w, bias)
+    assert torch.equal(s, s_ref)
+    _assert_gemv_close(y, y_ref, _bound(add_rms_norm(x, res, nw, 1e-5)[0], w))
+    act, s2 = add_rms_norm_gate_up_silu(x, res, nw, 1e-5, w, **cfg)
+    assert torch.equal(s2, s_ref)
+    _assert_gemv_close(act, add_rms_norm_gate_up_silu_reference(x, res, nw, 1e-5, w)[0], _bound(x, w[:, :20]) * 10)
+    _assert_gemv_close(linear_small_m(x, w, bias, **cfg), linear_small_m_reference(x, w, bias), _bound(x, w))
+
+
 def test_output_major_weight_view() -> None:
     """A transposed view of an output-major copy (layers/linear.py CUDA_OUTPUT_MAJOR) reads the same values."""
     x, res, nw, w, _ = _inputs(3, 100, 40, torch.bfloat16, True, False, seed=9)
