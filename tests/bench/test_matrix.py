@@ -52,12 +52,14 @@ def tiny(tmp_path_factory):
     return root, common, source
 
 
-def test_matrix_has_every_cell_consistent_speedups_lossless_greedy_and_plots(tiny, one_thread):
+def test_matrix_has_every_cell_consistent_speedups_lossless_greedy_and_plots(tiny, one_thread, capsys):
     root, common, source = tiny
     out, plots = root / "matrix.json", root / "plots"
     rc = main(["bench", *common, "--batch-sizes", "1,2", "--max-tokens", "4", "--prompt-source", str(source),
                "--json", str(out), "--plot-dir", str(plots)])
     assert rc == 0
+    # the drafter passed by path drafts greedily (SpeculativeConfig's default) in the T=1 cells: said so
+    assert 'draft_sample_method "greedy"' in capsys.readouterr().err
     res = json.loads(out.read_text())
     assert res["complete"] and res["hf_mode"] == "eager" and res["speculative_config"]["num_spec_tokens"] == 3
     cells = {(c["system"], c["batch_size"], c["prompt_set"], c["temperature"]): c for c in res["cells"]}
