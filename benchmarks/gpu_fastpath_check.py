@@ -33,6 +33,12 @@ parts (comma-separated, default all):
            down_proj (SMALL_M_GEMV_PLAIN False), and on for steps of up to 8 rows (GEMV_MAX_ROWS 8: B=8
            on the 3-D tile GEMVs): tok/s and the fraction of tokens identical to "off"
            (summation order differs from cuBLAS, so random-weight near-ties may flip).
+  spec_gemv (not in the default list) greedy DSpark as in "spec" with the target's verification blocks of
+           B=1 (6 rows) on the 3-D tile GEMVs (GEMV_MAX_ROWS 8) vs cuBLAS (GEMV_MAX_ROWS 1); tokens compared.
+  train    (not in the default list) a drafter training step (dspark/train, B=16 x 1,024 tokens, 128 anchors per
+           sequence, the shipped drafter's shapes, random SmolLM2-shaped target, random tokens): ms per
+           optimizer step in fp32 lm_head products, TF32 (TrainConfig.tf32), and TF32 + compiled loss
+           (compile_loss); the CUDA kernels of one step by total time (torch.profiler).
 Writes OUT_DIR/fastpath.json and prints a summary.
 """
 
@@ -448,5 +454,74 @@ if "spec" in parts:  # greedy DSpark, async scheduling on vs off
     spec_part("spec", "async", 0.0, "async", _async)
 if "spec_t1" in parts:  # T = 1 DSpark, one-sync steps for sampled requests on vs off
     spec_part("spec_t1", "one_sync_sampled", 1.0, "one_sync", _one_sync_sampled)
+
+
+
+def _gemv_rows(target, kw, on):
+    from dspark import LLM
+    from dspark.models import llama
+
+    llama.GEMV_MAX_ROWS = 8 if on else 1  # read when the model is built
+    try:
+        return LLM(str(target), **kw)
+    finally:
+        llama.GEMV_MAX_ROWS = 1
+
+
+if "spec_gemv" in parts:  # greedy DSpark, B=1 verification (6 rows) on the GEMVs vs cuBLAS
+    spec_part("spec_gemv", "gemv_max_rows_8", 0.0, "async", _gemv_rows)
+
+if "train" in parts:  # the trainer's step time, fp32 vs TF32 lm_head products vs + compiled loss
+    import tempfile
+
+    from dspark.train.data import TokenData
+    from dspark.train.trainer import Trainer, TrainConfig
+
+    target, _ = smol_target()
+    g = torch.Generator().manual_seed(0)
+    n = 64
+    tmp = Path(tempfile.mkdtemp())
+    TokenData.from_sequences([torch.randint(10, 49000, (200,), generator=g).tolist() for _ in range(n)],
+                             [torch.randint(10, 49000, (900,), generator=g).tolist() for _ in range(n)],
+                             {}).save(tmp / "data.safetensors")
+    rows = {}
+    for name, kw in (("fp32", {}), ("tf32", dict(tf32=True)), ("tf32_compiled_loss", dict(tf32=True, compile_loss=True))):
+        row: dict = {}
+        try:
+            cfg = TrainConfig(out=str(tmp / name), data=str(tmp / "data.safetensors"), model=str(target),
+                              batch_size=16, device="cuda", eval_every=0, save_every=0, steps=1000, **kw)
+            tr = Trainer(cfg, ["check"])
+            t0 = time.perf_counter()
+            for _ in range(3):
+                tr._optimizer_step()
+            torch.cuda.synchronize()
+            row["first_3_steps_s"] = round(time.perf_counter() - t0, 2)
+            t0 = time.perf_counter()
+            for _ in range(10):
+                out, _, _ = tr._optimizer_step()
+            torch.cuda.synchronize()
+            row["ms_per_step"] = round((time.perf_counter() - t0) * 100, 1)
+            row["rows_per_step"] = out.num_rows
+            row["loss"] = round(out.total.item(), 4)
+            row["peak_mem_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                tr._optimizer_step()
+                torch.cuda.synchronize()
+            ka = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
+            total = sum(e.device_time_total for e in ka)
+            row["profiled_cuda_ms"] = round(total / 1e3, 1)
+            row["top_kernels"] = [[e.key[:90], round(e.device_time_total / 1e3, 2), e.count] for e in ka[:18]]
+            del tr
+        except Exception as e:  # noqa: BLE001
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        rows[name] = row
+        report(f"train/{name}", {k: v for k, v in row.items() if k != "top_kernels"})
+        for k in row.get("top_kernels", [])[:10]:
+            print("   ", k, flush=True)
+    res["train"] = rows
+    save()
 
 print("done", flush=True)

@@ -96,6 +96,8 @@ def main() -> int:
     t.add_argument("--lr", type=float, default=6e-4)
     t.add_argument("--eval-every", type=int, default=250)
     t.add_argument("--eval-seqs", type=int, default=64)
+    t.add_argument("--tf32", action="store_true", help="TrainConfig.tf32: the fp32 lm_head products on TF32")
+    t.add_argument("--compile-loss", action="store_true", help="TrainConfig.compile_loss")
     e = p.add_argument_group("acceptance")
     e.add_argument("--eval-prompts", type=int, default=32)
     e.add_argument("--eval-max-tokens", type=int, default=128)
@@ -161,6 +163,7 @@ def main() -> int:
             steps=a.max_steps, batch_size=a.batch_size, seq_len=a.seq_len, anchors_per_seq=a.anchors_per_seq,
             lr=a.lr, eval_every=a.eval_every, eval_seqs=a.eval_seqs, save_every=250, log_every=10,
             device=a.device, resume=a.resume, restart_steps=a.restart_steps, init_from=a.init_from,
+            tf32=a.tf32, compile_loss=a.compile_loss,
             time_budget_s=None if a.resume else budget,
             stop_after_s=a.stop_after_s, extra={"data_generation": summary.get("generation")})
         trainer = Trainer(cfg, sys.argv)

@@ -66,6 +66,9 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     o.add_argument("--save-every", type=int, default=500, help="steps between checkpoints (0: only at the end)")
     o.add_argument("--log-every", type=int, default=10)
     o.add_argument("--save-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    o.add_argument("--tf32", action="store_true",
+                   help="GPU: the fp32 lm_head products on TF32 tensor cores (docs/training.md)")
+    o.add_argument("--compile-loss", action="store_true", help="GPU: torch.compile the loss over [rows, vocab]")
     o.add_argument("--resume", action="store_true", help="continue from OUT/trainer_state.pt")
     o.add_argument("--init-from", default=None,
                    help="start from this trained drafter directory (same config; e.g. the shipped one) instead of "
@@ -110,7 +113,7 @@ def cmd_train(a: argparse.Namespace) -> int:
         batch_size=a.batch_size, seq_len=a.seq_len, anchors_per_seq=a.anchors_per_seq, lr=a.lr, warmup_frac=a.warmup_frac,
         grad_clip=a.grad_clip, eval_every=a.eval_every, eval_seqs=a.eval_seqs, save_every=a.save_every,
         log_every=a.log_every, seed=a.seed, device=a.device, save_dtype=a.save_dtype, resume=a.resume,
-        restart_steps=a.restart_steps, init_from=a.init_from,
+        restart_steps=a.restart_steps, init_from=a.init_from, tf32=a.tf32, compile_loss=a.compile_loss,
         extra={"data_generation": generation},
     )
     final = train(cfg, ["dspark", *sys.argv[1:]])

@@ -198,8 +198,10 @@ def draft_losses(draft_logits: torch.Tensor, target_logits: torch.Tensor, conf_l
 
 
 def training_forward(target: LlamaForCausalLM, drafter: DSparkDrafter, tokens: torch.Tensor,
-                     loss_mask: torch.Tensor, max_anchors: int, generator: torch.Generator) -> LossOutput:
-    """One batch: tokens [B, S] (right-padded), loss_mask [B, S] bool -> losses and metrics."""
+                     loss_mask: torch.Tensor, max_anchors: int, generator: torch.Generator,
+                     losses_fn=draft_losses) -> LossOutput:
+    """One batch: tokens [B, S] (right-padded), loss_mask [B, S] bool -> losses and metrics.
+    ``losses_fn``: draft_losses, or a compiled draft_losses (TrainConfig.compile_loss)."""
     c = drafter.config
     B, S = tokens.shape
     hidden, taps = target_forward(target, tokens)
@@ -220,5 +222,5 @@ def training_forward(target: LlamaForCausalLM, drafter: DSparkDrafter, tokens: t
             target_logits = target.compute_logits(hidden.view(B * S, -1)[t_rows])  # [M, V]
     draft_logits = base + drafter.markov_bias(prev)  # [M, V] fp32
     conf_logits = drafter.confidence_logit(h_rows, prev)  # [M]
-    return draft_losses(draft_logits, target_logits, conf_logits, blocks.labels.flatten()[rows], slot, block,
-                        anchors.numel(), G)
+    return losses_fn(draft_logits, target_logits, conf_logits, blocks.labels.flatten()[rows], slot, block,
+                     anchors.numel(), G)

@@ -34,7 +34,7 @@ from dspark.models.dspark_drafter import (DrafterConfig, DSparkDrafter, default_
 from dspark.models.llama import LlamaForCausalLM
 from dspark.train.checkpoint import drafter_state_dict, new_drafter, save_drafter
 from dspark.train.data import TokenData
-from dspark.train.model import LOSS_WEIGHTS, POSITION_DECAY, LossOutput, training_forward
+from dspark.train.model import LOSS_WEIGHTS, POSITION_DECAY, LossOutput, draft_losses, training_forward
 
 ADAM_BETAS = (0.9, 0.999)
 ADAM_EPS = 1e-8
@@ -73,6 +73,11 @@ class TrainConfig:
     resume: bool = False  # continue from out/trainer_state.pt
     restart_steps: int | None = None  # with resume: a warm restart, a new warm-up + cosine of this many steps
     init_from: str | None = None  # a drafter directory (DeepSpec format, same config) to start from, not random
+    # GPU only: the fp32 lm_head products (drafter logits forward and backward, target logits) on TF32 tensor
+    # cores. The bf16 lm_head weights are exact in TF32 and the hidden states keep 10 mantissa bits, more
+    # than the bf16 hidden states the engine multiplies (models/llama.py use_half_lm_head).
+    tf32: bool = False
+    compile_loss: bool = False  # GPU only: torch.compile the loss over the [rows, vocab] tensors (fewer passes)
     extra: dict[str, Any] = field(default_factory=dict)  # recorded as-is (e.g. data generation settings)
 
 
@@ -122,6 +127,11 @@ class Trainer:
         cuda = self.device.type == "cuda"
         self.target_dtype = torch.bfloat16 if cuda else torch.float32
         self.autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else contextlib.nullcontext
+        if cuda:  # process-wide: this process trains, so its fp32 matmuls are the trainer's
+            torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
+        self.losses_fn = draft_losses
+        if cuda and cfg.compile_loss:
+            self.losses_fn = torch.compile(draft_losses, dynamic=True)
         self.save_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32,
                            "float16": torch.float16}[cfg.save_dtype]
 
@@ -213,7 +223,8 @@ class Trainer:
     def _loss(self, idx: list[int], data: TokenData, gen: torch.Generator) -> LossOutput:
         tokens, mask = make_batch(data, idx, self.cfg.seq_len, self.device)
         with self.autocast():
-            return training_forward(self.target, self.drafter, tokens, mask, self.cfg.anchors_per_seq, gen)
+            return training_forward(self.target, self.drafter, tokens, mask, self.cfg.anchors_per_seq, gen,
+                                    self.losses_fn)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
