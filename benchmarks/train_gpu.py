@@ -96,7 +96,8 @@ def main() -> int:
     t.add_argument("--lr", type=float, default=6e-4)
     t.add_argument("--eval-every", type=int, default=250)
     t.add_argument("--eval-seqs", type=int, default=64)
-    t.add_argument("--tf32", action="store_true", help="TrainConfig.tf32: the fp32 lm_head products on TF32")
+    t.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=True,
+                   help="TrainConfig.tf32: the fp32 lm_head products on TF32 (default on)")
     t.add_argument("--compile-loss", action="store_true", help="TrainConfig.compile_loss")
     e = p.add_argument_group("acceptance")
     e.add_argument("--eval-prompts", type=int, default=32)

@@ -66,8 +66,8 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     o.add_argument("--save-every", type=int, default=500, help="steps between checkpoints (0: only at the end)")
     o.add_argument("--log-every", type=int, default=10)
     o.add_argument("--save-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    o.add_argument("--tf32", action="store_true",
-                   help="GPU: the fp32 lm_head products on TF32 tensor cores (docs/training.md)")
+    o.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=True,
+                   help="GPU: the fp32 lm_head products on TF32 tensor cores (default on; docs/training.md)")
     o.add_argument("--compile-loss", action="store_true", help="GPU: torch.compile the loss over [rows, vocab]")
     o.add_argument("--resume", action="store_true", help="continue from OUT/trainer_state.pt")
     o.add_argument("--init-from", default=None,

@@ -492,9 +492,9 @@ def test_init_from_grows_a_deeper_drafter(target, token_files, tmp_path):
 
 
 def test_time_budget_refits_the_step_count_from_real_steps(target, token_files, tmp_path, monkeypatch):
-    """The planner's estimate is replaced after REPLAN_AT real steps by one from their measured pace; a
-    split run (stop_after_s, then resume) keeps the schedule."""
-    monkeypatch.setattr(trainer_mod, "REPLAN_AT", 4)
+    """The planner's estimate is replaced at each REPLANS step by one from the measured pace of the real
+    steps since its window began; a split run (stop_after_s, then resume) keeps the schedule."""
+    monkeypatch.setattr(trainer_mod, "REPLANS", ((2, 4), (6, 10)))
     planned = {}
     real_plan = Trainer._plan_steps
 
@@ -507,8 +507,8 @@ def test_time_budget_refits_the_step_count_from_real_steps(target, token_files, 
     final = Trainer(_cfg(target, token_files, out, steps=10_000, time_budget_s=8.0, eval_data=None)).train()
     log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
     replan = [r for r in log if "replanned_total_steps" in r]
-    assert len(replan) == 1 and replan[0]["step"] == 4
-    assert final["total_steps"] == replan[0]["replanned_total_steps"] > max(5, planned["n"] // 20)
+    assert [r["step"] for r in replan] == [4, 10]
+    assert final["total_steps"] == replan[-1]["replanned_total_steps"] > max(5, planned["n"] // 20)
     assert final["steps"] >= 0.5 * final["total_steps"]  # the budget fits (loosely: the pace is noisy)
 
     # stop_after_s ends a call early with a checkpoint; resume finishes the same schedule
