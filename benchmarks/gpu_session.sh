@@ -8,7 +8,8 @@
 #   3. the Triton kernel benchmarks (benchmarks/kernel_*_bench.py);
 #   graphs: the CUDA-graph checks and step timings on random weights (benchmarks/gpu_graphs_check.py);
 #   correctness: `dspark bench correctness` (spec vs no spec vs HF, greedy, 64 prompts x 128 tokens);
-#   bench: `dspark bench`, the side-by-side matrix (HF static+compiled, dspark, dspark + DSpark).
+#   bench: `dspark bench`, the side-by-side matrix (HF static+compiled, dspark, dspark + DSpark);
+#   cprofile: where continuous batching's time goes, plain vs DSpark (benchmarks/gpu_continuous_profile.py).
 # STEPS picks and orders them; BACKEND (default triton) is the attention backend of the dspark runs.
 set -uo pipefail
 bash benchmarks/gguf_pieces.sh  # joins the GGUF from the pieces carried so far
@@ -65,6 +66,10 @@ for _ in range(240):
       --prompt-source /tmp/sharegpt_prompts.json.gz --json "$OUT/bench.json" --plot-dir "$OUT/plots" \
       ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
     echo "bench rc=$?"; tail -n 40 "$OUT/bench.log" ;;
+  cprofile)
+    timeout ${CPROF_S:-300} python3 benchmarks/gpu_continuous_profile.py "$OUT/cprofile" \
+      --prompt-source /tmp/sharegpt_prompts.json.gz ${CPROF_ARGS:-} > "$OUT/cprofile.log" 2>&1
+    echo "cprofile rc=$?"; grep -E '^(plain|dspark)|"(tok_s|calls|ms_per_call|tau)"|"(execute|launch|readback)' "$OUT/cprofile.log" | head -60 ;;
   kernels)
     for k in attention ops rejection; do
       [ -f benchmarks/kernel_${k}_bench.py ] || continue

@@ -1,0 +1,171 @@
+"""Where the time of continuous batching goes, with and without DSpark: the `dspark bench` B=32 cell
+(128 held-out ShareGPT prompts at concurrency 32, 256 new tokens, greedy) with every engine step
+classified and timed.
+
+Written for the question session 14 left open: at B=32 in continuous cells DSpark runs at 0.46x of
+plain (4.0 ms per step against 2.1 ms in static waves), although mixed prefill + verification steps
+now run as a graph sub-step plus an eager prefill sub-step (ModelRunner._split).
+
+Every ``engine.step()`` call is filed under what it ran: a synchronous ``runner.execute``, classified as
+  graph   decode / verification rows only, on the CUDA graphs (runner.graphs.covers);
+  split   a mixed step run as a graph sub-step + an eager sub-step (runner._split);
+  eager   anything else (a prefill alone, or a step the graphs cannot take);
+or a step launched for async scheduling (``launch_spec``: DSpark one-sync, ``launch``: plain), joined
+with "+" when one call runs several (an async call reads back step t after launching t+1). A DSpark
+step pipelines only while every request verifies a full block (LLMEngine._launchable_spec) and the
+scheduler can continue (no request ended or admitted), so in continuous batching every admission and
+every finish falls back to a synchronous step; this counts how often. Timed twice: an unsynchronised
+pass (the real pipeline: total tok/s, host-side wall per kind) and a pass synchronising the device
+around every call (async overlap lost: each kind's device-inclusive time). Per kind: calls, ms per
+call, rows, verification rows, prefill tokens.
+
+Usage (GPU; the real model needs the GGUF, DSPARK_SMOLLM2_GGUF or the embedded default):
+    python benchmarks/gpu_continuous_profile.py OUT_DIR [--prompt-source FILE] [--batch 32] [--prompts 128]
+Writes OUT_DIR/continuous_profile.json and prints a summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from dspark import LLM, SamplingParams  # noqa: E402
+
+
+def classify(runner, scheduled) -> str:
+    if runner.graphs is not None and runner.graphs.covers(scheduled):
+        return "graph"
+    if runner._split(scheduled):
+        return "split"
+    return "eager"
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def profile_system(llm: LLM, prompts: list[list[int]], batch: int, max_tokens: int, sync: bool) -> dict:
+    """Every ``engine.step()`` is timed (device-synchronised before and after when ``sync``) and filed under
+    what it ran: ``execute:graph|split|eager`` (a synchronous step, classified), ``launch_spec`` /
+    ``launch`` (a DSpark / plain step launched for async scheduling; its tokens are read back in the next
+    call), joined with "+" when one call does several (an async call reads back step t and launches t+1)."""
+    engine, runner = llm.engine, llm.engine.runner
+    engine.scheduler.max_num_seqs = batch
+    stats: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    current: list[str] = []
+    rows: list[tuple[int, int, int]] = []  # (rows, verify rows, prefill tokens) of the runner calls of this step
+    saved = {name: getattr(runner, name) for name in ("execute", "launch_one_sync", "launch")}
+    saved_step = engine.step
+
+    def count(scheduled) -> None:
+        v = sum(1 for s in scheduled if s.num_tokens == 1 + s.num_spec_tokens and s.samples)
+        rows.append((len(scheduled), v, sum(s.num_tokens for s in scheduled
+                                            if not (s.num_tokens == 1 + s.num_spec_tokens and s.samples))))
+
+    def execute(sched, kv):
+        current.append("execute:" + classify(runner, sched.scheduled))
+        count(sched.scheduled)
+        return saved["execute"](sched, kv)
+
+    def launch_one_sync(sched, kv, prev):
+        current.append("launch_spec")
+        count(sched.scheduled)
+        return saved["launch_one_sync"](sched, kv, prev)
+
+    def launch(sched, kv, prev):
+        current.append("launch")
+        count(sched.scheduled)
+        return saved["launch"](sched, kv, prev)
+
+    def step():
+        current.clear()
+        rows.clear()
+        if sync:
+            _sync()
+        t0 = time.perf_counter()
+        out = saved_step()
+        if sync:
+            _sync()
+        dt = time.perf_counter() - t0
+        st = stats["+".join(current) or "readback_only"]
+        st["calls"] += 1
+        st["s"] += dt
+        for r, v, pt in rows:
+            st["rows"] += r
+            st["verify_rows"] += v
+            st["prefill_tokens"] += pt
+        return out
+
+    runner.execute, runner.launch_one_sync, runner.launch = execute, launch_one_sync, launch
+    engine.step = step
+    try:
+        p = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        _sync()
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, p)
+        _sync()
+        wall = time.perf_counter() - t0
+    finally:
+        for name, fn in saved.items():
+            setattr(runner, name, fn)
+        engine.step = saved_step
+    n = sum(len(o.token_ids) for o in outs)
+    kinds = {}
+    for kind, st in sorted(stats.items(), key=lambda kv: -kv[1]["s"]):
+        k = st["calls"]
+        kinds[kind] = {"calls": int(k), "ms_per_call": round(1e3 * st["s"] / k, 3), "total_s": round(st["s"], 3),
+                       "rows_per_call": round(st["rows"] / k, 2), "verify_rows_per_call": round(st["verify_rows"] / k, 2),
+                       "prefill_tokens": int(st["prefill_tokens"])}
+    calls = sum(v["calls"] for v in kinds.values())
+    return {"sync": sync, "tokens": n, "wall_s": round(wall, 3), "tok_s": round(n / wall, 1), "step_calls": calls,
+            "ms_per_call": round(1e3 * wall / max(calls, 1), 3),
+            "step_share": round(sum(v["total_s"] for v in kinds.values()) / wall, 3), "kinds": kinds}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--prompt-source", default=None, help="prompt split file (dspark.train.data)")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--prompts", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--speculative-config", default='{"method": "dspark"}')
+    ap.add_argument("--device", default="cuda", help="cuda; cpu for a smoke run (fp32, tiny sizes)")
+    a = ap.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    from dspark.train.data import heldout_prompts
+
+    res: dict = {"gpu": torch.cuda.get_device_name() if a.device == "cuda" else "cpu", "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+                 "batch": a.batch, "prompts": a.prompts, "max_tokens": a.max_tokens}
+    texts = heldout_prompts(a.prompts, a.prompt_source)
+    for name, spec in (("plain", None), ("dspark", json.loads(a.speculative_config))):
+        cuda = a.device == "cuda"
+        llm = LLM(a.model, device=a.device, dtype="bfloat16" if cuda else "float32", max_model_len=2048,
+                  max_num_seqs=a.batch, kv_cache_memory_gb=16 if cuda else 0.5, enable_prefix_caching=False, speculative_config=spec)
+        prompts = [llm.engine.tokenize_chat([{"role": "user", "content": t}]) for t in texts]
+        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True))  # warm-up
+        row = {"async": profile_system(llm, prompts, a.batch, a.max_tokens, sync=False),
+               "synced": profile_system(llm, prompts, a.batch, a.max_tokens, sync=True)}
+        if spec:
+            row["tau"] = round(llm.engine.spec_stats.tau, 3)
+        res[name] = row
+        print(name, json.dumps(row, indent=1), flush=True)
+        (out / "continuous_profile.json").write_text(json.dumps(res, indent=1))
+        del llm
+        if cuda:
+            torch.cuda.empty_cache()
+    print("done", flush=True)
+
+
+if __name__ == "__main__":
+    main()
