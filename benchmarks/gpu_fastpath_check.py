@@ -26,8 +26,11 @@ parts (comma-separated, default all):
            (576 -> 960), add_rms_norm_gate_up_silu vs add_rms_norm + matmul + silu_and_mul (576 -> 2x1536),
            linear_small_m vs matmul (576 -> 576, 1536 -> 576), max abs diff vs the unfused result, the
            same with output-major weights, and at M = 1 a sweep of launch configurations (block_n,
-           block_k, num_warps, num_stages); at M = 6/8 the 3-D partial-product tile (the default from 2
-           rows) vs the row loop (rows3d=False), and a small sweep of the 3-D tile on output-major weights.
+           block_k, num_warps, num_stages); at M = 6/8 the tl.dot path (the default from 2 rows:
+           fused_us / fused_dot_us, on output-major weights fused_output_major_dot_us), the 3-D
+           partial-product tile (rows3d=True: fused_3d_us) and the row loop (rows3d=False), a small sweep
+           of the 3-D tile and one of the dot path (block_n 16/32/64, block_k 64/128/512, 8 warps,
+           num_stages) on output-major weights; per_layer_sum adds the four products' sums per path.
   gemv_engine (not in the default list) the engine (greedy, EOS ignored) at B=1 x 256 and
            B=8 x 128 tokens with models/llama.py SMALL_M_GEMV off, on, and on with cuBLAS kept for o_proj /
            down_proj (SMALL_M_GEMV_PLAIN False), and on for steps of up to 8 rows (GEMV_MAX_ROWS 8: B=8
@@ -329,17 +332,43 @@ if "gemv" in parts:
                 row["unfused_output_major_us"] = graph_us(om[name][1])
             except Exception as e:  # noqa: BLE001
                 row["output_major_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-            if M > 1:  # the 3-D partial-product tile (the default from 2 rows) vs the row loop
-                row["fused_row_loop_us"] = graph_us(lambda: fused(dict(rows3d=False)))
-                row["fused_output_major_row_loop_us"] = graph_us(lambda: om[name][0](dict(rows3d=False)))
+            if M > 1:  # the tl.dot path (the default from 2 rows) vs the 3-D partial-product tile vs the row loop
+                def timed(fn, cfg):
+                    try:
+                        return graph_us(lambda: fn(cfg))
+                    except Exception as e:  # noqa: BLE001  (e.g. a tl.dot shape the compiler refuses)
+                        return f"{type(e).__name__}: {str(e)[:120]}"
+
+                row["fused_dot_us"] = timed(fused, dict(dot=True))
+                row["fused_output_major_dot_us"] = timed(om[name][0], dict(dot=True))
+                row["dot_config"] = gv.gemv_config(*shape, dot=True)
+                try:
+                    a = fused(dict(dot=True)).float()
+                    row["dot_max_abs_diff"] = (a - b).abs().max().item()
+                    row["dot_frac_equal"] = round((a == b).float().mean().item(), 4)
+                except Exception as e:  # noqa: BLE001
+                    row["dot_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                row["fused_3d_us"] = timed(fused, dict(rows3d=True))
+                row["fused_output_major_3d_us"] = timed(om[name][0], dict(rows3d=True))
+                row["fused_row_loop_us"] = timed(fused, dict(rows3d=False))
+                row["fused_output_major_row_loop_us"] = timed(om[name][0], dict(rows3d=False))
                 sweep = {}
                 for label, cfg in {"bk16": dict(block_k=16), "bk64": dict(block_k=64), "bn16": dict(block_n=16),
                                    "warps8": dict(num_warps=8)}.items():
-                    try:
-                        sweep[label] = graph_us(lambda: om[name][0](cfg))
-                    except Exception as e:  # noqa: BLE001
-                        sweep[label] = f"{type(e).__name__}: {str(e)[:120]}"
+                    sweep[label] = timed(om[name][0], dict(rows3d=True, **cfg))
                 row["sweep_output_major_3d_us"] = sweep
+                sweep = {}  # the dot path: one setting changed at a time from the default, plus a few pairs
+                for label, cfg in {"bn16": dict(block_n=16), "bn32": dict(block_n=32), "bn64": dict(block_n=64),
+                                   "bk64": dict(block_k=64), "bk128": dict(block_k=128), "bk512": dict(block_k=512),
+                                   "warps8": dict(num_warps=8), "stages2": dict(num_stages=2),
+                                   "stages4": dict(num_stages=4), "bn16_bk64": dict(block_n=16, block_k=64),
+                                   "bn16_bk128_warps8": dict(block_n=16, block_k=128, num_warps=8),
+                                   "bn32_bk64_warps8": dict(block_n=32, block_k=64, num_warps=8)}.items():
+                    sweep[label] = timed(om[name][0], dict(dot=True, **cfg))
+                row["sweep_output_major_dot_us"] = sweep
+                ok = {k: v for k, v in sweep.items() if isinstance(v, float)}
+                if ok:
+                    row["best_dot_sweep"] = min(ok, key=ok.get)
             if M == 1:
                 sweep = {}
                 for label, cfg in SWEEP.items():
@@ -361,6 +390,12 @@ if "gemv" in parts:
             rows[f"{n}_M{M}"]["unfused_us"] for n in ("o", "down"))
         per_layer[f"M{M}"] = {"unfused_us": round(un, 2), "gemv_all_us": round(fu, 2),
                               "gemv_k1_k2_cublas_o_down_us": round(fu_keep_cublas, 2)}
+        if M > 1:  # per path (None where a launch failed)
+            for key, col in (("gemv_dot_us", "fused_dot_us"), ("gemv_output_major_dot_us", "fused_output_major_dot_us"),
+                             ("gemv_3d_us", "fused_3d_us"), ("gemv_row_loop_us", "fused_row_loop_us")):
+                vals = [rows[f"{n}_M{M}"].get(col) for n in ("qkv", "gate_up", "o", "down")]
+                per_layer[f"M{M}"][key] = (round(sum(vals), 2) if all(isinstance(v, float) for v in vals)
+                                           else None)
     rows["per_layer_sum"] = per_layer
     report("gemv/per_layer_sum", per_layer)
     res["gemv"] = rows
