@@ -34,10 +34,10 @@ parts (comma-separated, default all):
   gemv_engine (not in the default list) the engine (greedy, EOS ignored) at B=1 x 256 and
            B=8 x 128 tokens with models/llama.py SMALL_M_GEMV off, on, and on with cuBLAS kept for o_proj /
            down_proj (SMALL_M_GEMV_PLAIN False), and on for steps of up to 8 rows (GEMV_MAX_ROWS 8: B=8
-           on the 3-D tile GEMVs): tok/s and the fraction of tokens identical to "off"
+           on the tl.dot GEMVs, the default from 2 rows): tok/s and the fraction of tokens identical to "off"
            (summation order differs from cuBLAS, so random-weight near-ties may flip).
   spec_gemv (not in the default list) greedy DSpark as in "spec" with the target's verification blocks of
-           B=1 (6 rows) on the 3-D tile GEMVs (GEMV_MAX_ROWS 8) vs cuBLAS (GEMV_MAX_ROWS 1); tokens compared.
+           B=1 (6 rows) on the tl.dot GEMVs (GEMV_MAX_ROWS 8) vs cuBLAS (GEMV_MAX_ROWS 1); tokens compared.
   train    (not in the default list) a drafter training step (dspark/train, B=16 x 1,024 tokens, 128 anchors per
            sequence, the shipped drafter's shapes, random SmolLM2-shaped target, random tokens): ms per
            optimizer step in fp32 lm_head products, TF32 (TrainConfig.tf32), and TF32 + compiled loss
@@ -411,7 +411,7 @@ if "gemv_engine" in parts:  # (b) the engine with SMALL_M_GEMV on vs off
     for name, on, plain, rows in (("off", False, True, 1), ("on", True, True, 1), ("on_cublas_o_down", True, False, 1),
                                   ("on_8_rows", True, True, 8)):
         llama.SMALL_M_GEMV, llama.SMALL_M_GEMV_PLAIN = on, plain  # read when the model is built
-        llama.GEMV_MAX_ROWS = rows  # on_8_rows: B = 2..8 decode steps on the 3-D tile GEMVs too
+        llama.GEMV_MAX_ROWS = rows  # on_8_rows: B = 2..8 decode steps on the tl.dot GEMVs too
         llm = LLM(str(target), device="cuda", dtype="bfloat16", max_model_len=2048, max_num_seqs=32,
                   attention_backend="triton", kv_cache_memory_gb=4, enable_prefix_caching=False)
         model = llm.engine.runner.model
