@@ -53,6 +53,17 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def penalized(self) -> bool:
+        """Repetition, frequency or presence penalty: the distribution depends on the tokens so far."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+    @property
+    def greedy_plain(self) -> bool:
+        """Greedy and needing nothing from the logits but their argmax (no penalties, no logprobs): its
+        tokens are the target's argmax chain whatever speculation drafts (ModelRunner._num_drafts)."""
+        return self.greedy and self.logprobs is None and not self.penalized
+
     def validate(self) -> None:
         def num(name: str, v: Any, kind: type) -> None:
             ok = isinstance(v, (int, float)) and not isinstance(v, bool)

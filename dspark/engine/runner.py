@@ -76,7 +76,7 @@ def make_attention_backend(name: str, device: torch.device, batch_invariant: boo
 
 def _greedy_plain(p) -> bool:
     """A greedy request that needs nothing from the logits but their argmax (no penalties, no logprobs)."""
-    return p.greedy and p.logprobs is None and spec_eligible_params(p)
+    return p.greedy_plain
 
 
 def _one_sync_params(p) -> bool:
@@ -86,7 +86,7 @@ def _one_sync_params(p) -> bool:
 
 
 def spec_eligible_params(p) -> bool:
-    return p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0
+    return not p.penalized
 
 
 def spec_eligible(req: Request) -> bool:
@@ -521,12 +521,24 @@ class ModelRunner:
         return result
 
     def _num_drafts(self, r: Request, num_emitted: int) -> int:
-        """How many drafts request r gets after emitting num_emitted tokens this step (0: none)."""
+        """How many drafts request r gets after emitting num_emitted tokens this step (0: none).
+
+        Near max_tokens a sampled request gets only the drafts its remaining tokens can use, so that its
+        last token is the one the same seed gives without speculation's surplus. A greedy request
+        (``_greedy_plain``) keeps full blocks to the end (while it still has tokens to emit): every
+        token it emits is the target's argmax whatever the drafts, and Scheduler.update stops at
+        max_tokens, so the surplus is dropped. That keeps its steps full verification blocks, which
+        async scheduling can pipeline (LLMEngine._launchable_spec, Scheduler.can_continue_spec):
+        otherwise, in continuous batching at B = 32 some request is nearly always within a few steps
+        of its end and every step of the batch ran synchronously."""
         if not spec_eligible(r):
             return 0
         new_len = r.num_tokens + num_emitted
-        return min(self.num_spec_tokens, self.config.max_model_len - new_len,
-                   r.params.max_tokens - (r.num_output_tokens + num_emitted) - 1)
+        left = r.params.max_tokens - (r.num_output_tokens + num_emitted)
+        n = min(self.num_spec_tokens, self.config.max_model_len - new_len)
+        if left <= 0:
+            return 0
+        return n if _greedy_plain(r.params) else min(n, left - 1)
 
     # ------------------------------------------------------------------ verification
     def _verify(self, verifying, logits: torch.Tensor, offset: dict[int, int], result: StepResult) -> None:

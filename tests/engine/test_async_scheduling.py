@@ -304,6 +304,38 @@ def test_dspark_steps_launched_on_top_of_each_other(spec_pair, prompts):
     assert ref.engine.runner.graphs.stats["async"] == 0
 
 
+def test_greedy_dspark_pipeline_runs_up_to_max_tokens(spec_pair, prompts):
+    """A greedy request keeps full verification blocks up to max_tokens (ModelRunner._num_drafts; the
+    tokens past it are dropped), so async scheduling goes on launching blocks while a request is within
+    3q tokens of its max_tokens (Scheduler.can_continue_spec), where it used to fall back to synchronous
+    steps for the whole batch. Tokens and finish reasons equal the synchronous engine's and those
+    without speculation; every output stops exactly at max_tokens."""
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (21, 30, 39)]
+    reqs = list(zip(prompts, params))
+    plain = LLM(str(spec_pair[0]), device="cpu", block_size=4, num_kv_blocks=128, attention_backend="triton",
+                max_num_seqs=4).generate(prompts, params)
+    want, _, _ = _drive(_spec_llm(spec_pair, False), reqs)
+    llm = _spec_llm(spec_pair, True)
+    sched, q = llm.engine.scheduler, llm.engine.runner.graphs.q
+    calls = []
+    can_continue = sched.can_continue_spec
+
+    def recording(out, q_):
+        ok = can_continue(out, q_)
+        near = any(s.request.num_output_tokens + 3 * q_ >= s.request.params.max_tokens for s in out.scheduled)
+        calls.append((ok, near))
+        return ok
+
+    sched.can_continue_spec = recording
+    got, _, _ = _drive(llm, reqs)
+    assert _summary(got) == _summary(want)
+    assert [got[f"req-{i}"].token_ids for i in range(3)] == [o.token_ids for o in plain]
+    assert [len(got[f"req-{i}"].token_ids) for i in range(3)] == [21, 30, 39]
+    assert all(got[f"req-{i}"].finish_reason == "length" for i in range(3))
+    assert q == 5 and any(ok and near for ok, near in calls), calls  # pipelined within 3q of max_tokens
+    llm.engine.kv.check_integrity()
+
+
 def test_dspark_abort_while_in_flight(spec_pair, prompts):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     ref = {tuple(p): o.token_ids for p, o in zip(prompts, _spec_llm(spec_pair, False).generate(prompts, params))}
