@@ -101,6 +101,9 @@ class EngineConfig:
     # True: with CUDA graphs (plain decoding; greedy DSpark), the next step is launched before the current
     # one's tokens are read back, so the host's bookkeeping overlaps the GPU (engine/llm_engine.py).
     async_scheduling: bool = True
+    # Throwaway requests at start-up (LLMEngine.warm_up), so the first real ones do not pay for Triton
+    # compiles of the eager paths; None: on CUDA only (on a CPU there is nothing to compile).
+    warmup: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size"):

@@ -111,6 +111,45 @@ class LLMEngine:
         self._aborted: list[Request] = []
         self._inflight = None  # (SchedulerOutput, runner.InflightStep): a launched step not yet read back
         self._counter = 0
+        self.warmup_s: float | None = None
+        if cfg.warmup or (cfg.warmup is None and torch.device(dev).type == "cuda"):
+            self.warmup_s = self.warm_up()
+
+    def warm_up(self, lengths: tuple[int, ...] = (5, 16, 37)) -> float:
+        """Run throwaway requests before serving: prefills of several lengths (Triton specialises a
+        kernel on its integer arguments' divisibility by 16, so lengths on and off multiples of 16), a
+        prefill mixed into decode / verification steps, greedy and seeded sampled requests. CUDA graph
+        capture covers decode and verification steps only; without this the first real requests paid
+        for the eager paths' compiles (on a fresh H200, ~2 minutes of compilation spread over the first
+        bench cells, session 13). Leaves no trace: the requests are gone, the statistics zero, the
+        prefix cache empty, the request-id counter and the seed stream untouched. Returns the seconds."""
+        if self.requests:
+            raise RuntimeError("warm_up runs before any request")
+        t0 = time.perf_counter()
+        seed_state = self._seed_rng.getstate()  # requests without a seed draw theirs from this stream
+        V, L = self.model_config.vocab_size, self.config.max_model_len
+        budget = 8  # new tokens per request
+        prompts = [[(11 + 31 * j) % V for j in range(max(1, min(n, L - budget - 1)))] for n in lengths]
+        params = [SamplingParams(temperature=0.0, max_tokens=budget, ignore_eos=True),
+                  SamplingParams(temperature=1.0, top_p=0.9, seed=0, max_tokens=budget, ignore_eos=True)]
+        ids = []
+        for i, p in enumerate(prompts[:-1]):
+            ids.append(self.add_request(p, params[i % 2], request_id=f"warmup-{i}"))
+        for _ in range(2):  # the first two run alone, then the last prefill joins their decode steps
+            self.step()
+        ids.append(self.add_request(prompts[-1], params[0], request_id=f"warmup-{len(prompts) - 1}"))
+        while any(rid in self.requests for rid in ids) or self._inflight is not None:
+            self.step()
+        self._seed_rng.setstate(seed_state)
+        self.spec_stats = SpecStats()
+        self._req_spec.clear()
+        self.kv.reset_prefix_cache()
+        self.kv.prefix_queries = self.kv.prefix_hits = 0
+        if self.runner.graphs is not None:
+            self.runner.graphs.stats = dict.fromkeys(self.runner.graphs.stats, 0)
+        if torch.device(self.config.device).type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
 
     # ---------------------------------------------------------------- requests
     def tokenize_chat(self, messages: list[dict[str, str]]) -> list[int]:

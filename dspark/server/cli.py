@@ -135,6 +135,7 @@ def build_engine(args: argparse.Namespace, log: logging.Logger) -> Any:
         enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
         attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
         batch_invariant=args.batch_invariant, async_scheduling=not args.no_async_scheduling,
+        warmup=False if args.no_warmup else None,
     )
     if args.max_model_len is not None:
         kw["max_model_len"] = args.max_model_len
@@ -175,6 +176,9 @@ def run_serve(args: argparse.Namespace) -> int:
     log.info("loaded %s on %s (%s) in %.1fs: %d KV blocks of %d tokens, max_model_len %d",
              engine.model_name, engine.config.device, str(engine.config.dtype).removeprefix("torch."),
              time.perf_counter() - t0, engine.kv.num_usable_blocks, engine.kv.block_size, engine.config.max_model_len)
+    if engine.warmup_s is not None:
+        log.info("warm-up requests (the eager paths' kernels compiled before the first request) took %.1fs",
+                 engine.warmup_s)
     client = EngineClient(engine)
     app = build_app(client, args.served_model_name, api_key=args.api_key,
                     max_body_bytes=args.max_request_body_bytes)
