@@ -523,8 +523,9 @@ class ModelRunner:
     def _num_drafts(self, r: Request, num_emitted: int) -> int:
         """How many drafts request r gets after emitting num_emitted tokens this step (0: none).
 
-        Near max_tokens a sampled request gets only the drafts its remaining tokens can use, so that its
-        last token is the one the same seed gives without speculation's surplus. A greedy request
+        Near max_tokens a sampled request gets only the drafts its remaining tokens can use (with more,
+        its last tokens would be other, equally valid, samples than a seed gives today; extending the
+        rule below to sampled requests is left for a measured change). A greedy request
         (``_greedy_plain``) keeps full blocks to the end (while it still has tokens to emit): every
         token it emits is the target's argmax whatever the drafts, and Scheduler.update stops at
         max_tokens, so the surplus is dropped. That keeps its steps full verification blocks, which

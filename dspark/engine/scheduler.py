@@ -215,8 +215,8 @@ class Scheduler:
         on top of it (ModelRunner.launch_one_sync with ``prev``): nobody to admit, the same running
         requests in order, everybody far enough from max_model_len (and a sampled request from
         max_tokens) that the step in flight and the next one leave it a full block of drafts (3q tokens
-        of margin), and KV blocks for the
-        worst case (``reserve_spec``) without preempting. No side effects."""
+        of margin), and KV blocks for the worst case (``reserve_spec``) without preempting. No side
+        effects."""
         if self._may_admit(len(out.scheduled) * q) or len(self.running) != len(out.scheduled):
             return False
         if len(out.scheduled) * q > self.config.max_num_batched_tokens:
