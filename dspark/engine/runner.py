@@ -74,25 +74,16 @@ def make_attention_backend(name: str, device: torch.device, batch_invariant: boo
     return TorchAttentionBackend()
 
 
-def _greedy_plain(p) -> bool:
-    """A greedy request that needs nothing from the logits but their argmax (no penalties, no logprobs)."""
-    return p.greedy_plain
-
-
 def _one_sync_params(p) -> bool:
     """A request a one-sync DSpark step can verify on the device: no penalties (they count output tokens
     the host would have to upload) and no logprobs (read from the logits on the host)."""
-    return p.logprobs is None and spec_eligible_params(p)
-
-
-def spec_eligible_params(p) -> bool:
-    return not p.penalized
+    return p.logprobs is None and not p.penalized
 
 
 def spec_eligible(req: Request) -> bool:
     """Penalties make the target's distribution depend on the drafts themselves: such requests
     decode without speculation."""
-    return spec_eligible_params(req.params)
+    return not req.params.penalized
 
 
 class ModelRunner:
@@ -451,7 +442,7 @@ class ModelRunner:
         scheduling with DSpark): drafter graphs, every request greedy with nothing but the argmax
         needed (no penalties, no logprobs)."""
         return (self.config.async_scheduling and self.graphs is not None and self.graphs.draft_graphs
-                and 0 < len(requests) <= self.graphs.max_batch and all(_greedy_plain(r.params) for r in requests))
+                and 0 < len(requests) <= self.graphs.max_batch and all(r.params.greedy_plain for r in requests))
 
     # ------------------------------------------------------------------ async scheduling
     def can_launch_async(self, requests: list[Request]) -> bool:
@@ -463,7 +454,7 @@ class ModelRunner:
         V = self.vocab_size
         return (self.config.async_scheduling and self.graphs is not None and self.proposer is None
                 and 0 < len(requests) <= self.graphs.max_batch
-                and all(r.params.logprobs is None and spec_eligible_params(r.params)
+                and all(r.params.logprobs is None and not r.params.penalized
                         and (r.params.greedy or sampling_row(r.params, V)[1] >= V) for r in requests))
 
     @torch.inference_mode()
@@ -526,7 +517,7 @@ class ModelRunner:
         Near max_tokens a sampled request gets only the drafts its remaining tokens can use (with more,
         its last tokens would be other, equally valid, samples than a seed gives today; extending the
         rule below to sampled requests is left for a measured change). A greedy request
-        (``_greedy_plain``) keeps full blocks to the end (while it still has tokens to emit): every
+        (``SamplingParams.greedy_plain``) keeps full blocks to the end (while it still has tokens to emit): every
         token it emits is the target's argmax whatever the drafts, and Scheduler.update stops at
         max_tokens, so the surplus is dropped. That keeps its steps full verification blocks, which
         async scheduling can pipeline (LLMEngine._launchable_spec, Scheduler.can_continue_spec):
@@ -539,7 +530,7 @@ class ModelRunner:
         n = min(self.num_spec_tokens, self.config.max_model_len - new_len)
         if left <= 0:
             return 0
-        return n if _greedy_plain(r.params) else min(n, left - 1)
+        return n if r.params.greedy_plain else min(n, left - 1)
 
     # ------------------------------------------------------------------ verification
     def _verify(self, verifying, logits: torch.Tensor, offset: dict[int, int], result: StepResult) -> None:
@@ -661,7 +652,7 @@ class ModelRunner:
         only the argmax, or (DSpark) requests that verify drafts on the device (_one_sync_params), every
         sampled one with drafts to verify (a sampled request without drafts is sampled by the Sampler, on
         another key stream than verification's)."""
-        if all(_greedy_plain(s.request.params) for s in scheduled):
+        if all(s.request.params.greedy_plain for s in scheduled):
             return True
         return (self.one_sync_sampled and self.graphs.q > 1 and self.graphs.draft_graphs
                 and all(_one_sync_params(s.request.params) and (s.request.params.greedy or s.num_spec_tokens > 0)
