@@ -140,6 +140,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--speculative-config", default='{"method": "dspark"}')
     ap.add_argument("--device", default="cuda", help="cuda; cpu for a smoke run (fp32, tiny sizes)")
+    ap.add_argument("--systems", default="plain,dspark", help="which of plain,dspark to profile")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -148,7 +149,8 @@ def main() -> None:
     res: dict = {"gpu": torch.cuda.get_device_name() if a.device == "cuda" else "cpu", "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
                  "batch": a.batch, "prompts": a.prompts, "max_tokens": a.max_tokens}
     texts = heldout_prompts(a.prompts, a.prompt_source)
-    for name, spec in (("plain", None), ("dspark", json.loads(a.speculative_config))):
+    systems = (("plain", None), ("dspark", json.loads(a.speculative_config)))
+    for name, spec in (x for x in systems if x[0] in a.systems.split(",")):
         cuda = a.device == "cuda"
         llm = LLM(a.model, device=a.device, dtype="bfloat16" if cuda else "float32", max_model_len=2048,
                   max_num_seqs=a.batch, kv_cache_memory_gb=16 if cuda else 0.5, enable_prefix_caching=False, speculative_config=spec)
