@@ -26,18 +26,14 @@ parts (comma-separated, default all):
            (576 -> 960), add_rms_norm_gate_up_silu vs add_rms_norm + matmul + silu_and_mul (576 -> 2x1536),
            linear_small_m vs matmul (576 -> 576, 1536 -> 576), max abs diff vs the unfused result, the
            same with output-major weights, and at M = 1 a sweep of launch configurations (block_n,
-           block_k, num_warps, num_stages); at M = 6/8 the tl.dot path (the default from 2 rows:
-           fused_us / fused_dot_us, on output-major weights fused_output_major_dot_us), the 3-D
-           partial-product tile (rows3d=True: fused_3d_us) and the row loop (rows3d=False), a small sweep
-           of the 3-D tile and one of the dot path (block_n 16/32/64, block_k 64/128/512, 8 warps,
-           num_stages) on output-major weights; per_layer_sum adds the four products' sums per path.
+           block_k, num_warps, num_stages); per_layer_sum adds the four products' sums.
   gemv_engine (not in the default list) the engine (greedy, EOS ignored) at B=1 x 256 and
            B=8 x 128 tokens with models/llama.py SMALL_M_GEMV off, on, and on with cuBLAS kept for o_proj /
            down_proj (SMALL_M_GEMV_PLAIN False), and on for steps of up to 8 rows (GEMV_MAX_ROWS 8: B=8
-           on the tl.dot GEMVs, the default from 2 rows): tok/s and the fraction of tokens identical to "off"
+           on the GEMVs' row loop): tok/s and the fraction of tokens identical to "off"
            (summation order differs from cuBLAS, so random-weight near-ties may flip).
   spec_gemv (not in the default list) greedy DSpark as in "spec" with the target's verification blocks of
-           B=1 (6 rows) on the tl.dot GEMVs (GEMV_MAX_ROWS 8) vs cuBLAS (GEMV_MAX_ROWS 1); tokens compared.
+           B=1 (6 rows) on the GEMVs (GEMV_MAX_ROWS 8) vs cuBLAS (GEMV_MAX_ROWS 1); tokens compared.
   train    (not in the default list) a drafter training step (dspark/train, B=16 x 1,024 tokens, 128 anchors per
            sequence, the shipped drafter's shapes, random SmolLM2-shaped target, random tokens): ms per
            optimizer step in fp32 lm_head products, TF32 (TrainConfig.tf32), and TF32 + compiled loss
@@ -332,43 +328,6 @@ if "gemv" in parts:
                 row["unfused_output_major_us"] = graph_us(om[name][1])
             except Exception as e:  # noqa: BLE001
                 row["output_major_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-            if M > 1:  # the tl.dot path (the default from 2 rows) vs the 3-D partial-product tile vs the row loop
-                def timed(fn, cfg):
-                    try:
-                        return graph_us(lambda: fn(cfg))
-                    except Exception as e:  # noqa: BLE001  (e.g. a tl.dot shape the compiler refuses)
-                        return f"{type(e).__name__}: {str(e)[:120]}"
-
-                row["fused_dot_us"] = timed(fused, dict(dot=True))
-                row["fused_output_major_dot_us"] = timed(om[name][0], dict(dot=True))
-                row["dot_config"] = gv.gemv_config(*shape, dot=True)
-                try:
-                    a = fused(dict(dot=True)).float()
-                    row["dot_max_abs_diff"] = (a - b).abs().max().item()
-                    row["dot_frac_equal"] = round((a == b).float().mean().item(), 4)
-                except Exception as e:  # noqa: BLE001
-                    row["dot_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-                row["fused_3d_us"] = timed(fused, dict(rows3d=True))
-                row["fused_output_major_3d_us"] = timed(om[name][0], dict(rows3d=True))
-                row["fused_row_loop_us"] = timed(fused, dict(rows3d=False))
-                row["fused_output_major_row_loop_us"] = timed(om[name][0], dict(rows3d=False))
-                sweep = {}
-                for label, cfg in {"bk16": dict(block_k=16), "bk64": dict(block_k=64), "bn16": dict(block_n=16),
-                                   "warps8": dict(num_warps=8)}.items():
-                    sweep[label] = timed(om[name][0], dict(rows3d=True, **cfg))
-                row["sweep_output_major_3d_us"] = sweep
-                sweep = {}  # the dot path: one setting changed at a time from the default, plus a few pairs
-                for label, cfg in {"bn16": dict(block_n=16), "bn32": dict(block_n=32), "bn64": dict(block_n=64),
-                                   "bk64": dict(block_k=64), "bk128": dict(block_k=128), "bk512": dict(block_k=512),
-                                   "warps8": dict(num_warps=8), "stages2": dict(num_stages=2),
-                                   "stages4": dict(num_stages=4), "bn16_bk64": dict(block_n=16, block_k=64),
-                                   "bn16_bk128_warps8": dict(block_n=16, block_k=128, num_warps=8),
-                                   "bn32_bk64_warps8": dict(block_n=32, block_k=64, num_warps=8)}.items():
-                    sweep[label] = timed(om[name][0], dict(dot=True, **cfg))
-                row["sweep_output_major_dot_us"] = sweep
-                ok = {k: v for k, v in sweep.items() if isinstance(v, float)}
-                if ok:
-                    row["best_dot_sweep"] = min(ok, key=ok.get)
             if M == 1:
                 sweep = {}
                 for label, cfg in SWEEP.items():
@@ -390,12 +349,6 @@ if "gemv" in parts:
             rows[f"{n}_M{M}"]["unfused_us"] for n in ("o", "down"))
         per_layer[f"M{M}"] = {"unfused_us": round(un, 2), "gemv_all_us": round(fu, 2),
                               "gemv_k1_k2_cublas_o_down_us": round(fu_keep_cublas, 2)}
-        if M > 1:  # per path (None where a launch failed)
-            for key, col in (("gemv_dot_us", "fused_dot_us"), ("gemv_output_major_dot_us", "fused_output_major_dot_us"),
-                             ("gemv_3d_us", "fused_3d_us"), ("gemv_row_loop_us", "fused_row_loop_us")):
-                vals = [rows[f"{n}_M{M}"].get(col) for n in ("qkv", "gate_up", "o", "down")]
-                per_layer[f"M{M}"][key] = (round(sum(vals), 2) if all(isinstance(v, float) for v in vals)
-                                           else None)
     rows["per_layer_sum"] = per_layer
     report("gemv/per_layer_sum", per_layer)
     res["gemv"] = rows
@@ -411,7 +364,7 @@ if "gemv_engine" in parts:  # (b) the engine with SMALL_M_GEMV on vs off
     for name, on, plain, rows in (("off", False, True, 1), ("on", True, True, 1), ("on_cublas_o_down", True, False, 1),
                                   ("on_8_rows", True, True, 8)):
         llama.SMALL_M_GEMV, llama.SMALL_M_GEMV_PLAIN = on, plain  # read when the model is built
-        llama.GEMV_MAX_ROWS = rows  # on_8_rows: B = 2..8 decode steps on the tl.dot GEMVs too
+        llama.GEMV_MAX_ROWS = rows  # on_8_rows: B = 2..8 decode steps on the GEMVs too
         llm = LLM(str(target), device="cuda", dtype="bfloat16", max_model_len=2048, max_num_seqs=32,
                   attention_backend="triton", kv_cache_memory_gb=4, enable_prefix_caching=False)
         model = llm.engine.runner.model

@@ -19,33 +19,20 @@ product, removes 3 launches per layer (90 per step):
   cuBLAS's few-row kernels; the GPU benchmark (benchmarks/gpu_fastpath_check.py, part ``gemv``) decides
   whether it is worth it.
 
-Design (bandwidth at 1-16 rows): the grid runs over N tiles of BLOCK_N columns (small, so that about
+Design (bandwidth at few rows): the grid runs over N tiles of BLOCK_N columns (small, so that about
 as many programs as the GPU has SMs read the weight: 132 on an H200); each program loops over K in
 BLOCK_K steps, loading its ``[BLOCK_K, BLOCK_N]`` weight tile once per step and multiplying it with every
-row, with fp32 accumulation. Three ways through the rows (gemv_config's ``dot`` / ``rows3d``):
+row, with fp32 accumulation: a static loop over the M rows, each a broadcast-multiply and a sum over K
+(one K step for K = 576 at BLOCK_N 8).
 
-- the row loop (one row; ``rows3d=False``): a static loop over the M rows, each a broadcast-multiply
-  and a sum over K (one K step for K = 576 at BLOCK_N 8);
-- the 3-D tile (``rows3d=True``): a ``[rows, BLOCK_K, BLOCK_N]`` tile of partial products, reduced over K
-  once at the end;
-- tl.dot (``dot``, the default from DOT_MIN_ROWS = 2 rows): the rows padded to a DOT_ROWS = 16 row tile
-  (the MMA's 16; the loads of rows >= M are masked to zeros, their outputs are not stored) and
-  ``[16, BLOCK_K] x [BLOCK_K, BLOCK_N]`` products on the tensor cores (bf16/fp16 operands, fp32
-  accumulator), pipelined over K (3 stages). BLOCK_N stays 8 (120 programs for SmolLM2's qkv): Triton
-  (>= 3.4) pads small MMA dimensions itself and only K needs 16; m16n8k16 is the MMA's own shape.
-  fp32 activations use fp32 operands with ``input_precision="ieee"`` (no TF32), and so does Triton's
-  interpreter, whose tl.dot would multiply bf16's integer storage.
-
-Measured on the H200 (bf16, SmolLM2-135M shapes, µs per launch in a CUDA graph; sessions 13-14): at one
-row the row loop beats cuBLAS (a layer's four products: 18.6 µs unfused on cuBLAS vs 13.8 on the
-GEMVs). At 6 rows (a verification block of 1 + 5 drafts at batch 1; 8 rows alike) both CUDA-core
-paths lose to cuBLAS + the unfused kernels by 1.5-3.5x: the row loop qkv 7.47, gate_up 21.25, o 4.73,
-down 6.69; the 3-D tile 15.98, 16.28, 3.58, 6.57; cuBLAS + unfused 4.71, 7.06, 3.02, 4.33. The row loop
-reduces every row over K at every K step and selects it into the whole accumulator; the 3-D tile's
-partial products exhaust the registers (small BLOCK_K, many steps). Hence the tl.dot path, which keeps
-the weight reads of the 1-row design and hands the multiply-adds to the tensor cores; it is
-CPU-tested (interpreter) but not yet timed on a GPU (benchmarks/gpu_fastpath_check.py part ``gemv``:
-fused_dot_us and a sweep of its configuration), so models/llama.py keeps GEMV_MAX_ROWS = 1 until then.
+Measured on the H200 (bf16, SmolLM2-135M shapes, µs per launch in a CUDA graph; sessions 13-15): at one
+row this beats cuBLAS (a layer's four products: 18.6 µs unfused on cuBLAS vs 13.8 on the GEMVs), so
+models/llama.py uses the kernels for steps of GEMV_MAX_ROWS = 1 row. At 6 rows (a verification block of
+1 + 5 drafts at batch 1) a layer's four products take 40.3 µs on the row loop vs 19.1 on cuBLAS + the
+unfused kernels (it reduces every row over K at every K step and selects it into the whole
+accumulator). Two other ways through the rows lost as well and were deleted (session 15): a
+``[rows, BLOCK_K, BLOCK_N]`` tile of partial products reduced over K once (42.4 µs; the partial
+products exhaust the registers) and tl.dot on the rows padded to a 16-row tile (36.6 µs).
 
 The weight may be input-major ``[K, N]`` (the default Linear layout) or a transposed view of an
 output-major copy (any strides). With the norm prologue every program first computes the rows' sums
@@ -61,9 +48,7 @@ rounded to the dtype; ``fused_ops.silu_and_mul``'s epilogue: silu in fp32 with a
 libdevice's exp on CUDA, round, times up, round), with floating-point contraction off on the GPU. Only
 the summation order of the products differs from cuBLAS (and the RMSNorm mean's from add_rms_norm on
 the GPU), so results match the references up to fp32 accumulation order, not bit for bit. In bf16
-the products of two bf16 numbers are exact in fp32, so only the order of the fp32 sums matters (on the
-tensor cores as in cuBLAS's, with the MMA's own accumulation; the tl.dot path's GPU error is measured
-by the benchmark's dot_max_abs_diff).
+the products of two bf16 numbers are exact in fp32, so only the order of the fp32 sums matters.
 """
 
 from __future__ import annotations
@@ -78,33 +63,13 @@ from triton.language.extra import libdevice
 from dspark.kernels import check_device, next_pow2
 from dspark.kernels.fused_ops import _launch_opts, add_rms_norm_reference, cast_rtne, silu_and_mul_reference
 
-MAX_ROWS = 16  # the row loop is unrolled, tl.dot pads to a 16-row tile: more rows belong to a GEMM
+MAX_ROWS = 16  # the row loop is unrolled: more rows belong to a GEMM
 TARGET_PROGRAMS = 128  # about the SM count (H200: 132): programs wanted along N
 WEIGHT_ELEMS_PER_THREAD = 64  # register budget of the weight tile(s) per K step
 NORM_TILE_ELEMS = 8192  # rows x K elements of the sum-of-squares tile
-ROWS3D_MIN_ROWS = 2  # from this many rows on, the 3-D tile when the CUDA-core paths are asked for (dot=False)
-DOT_MIN_ROWS = 2  # from this many rows on, tl.dot by default (gemv_config's dot)
-DOT_ROWS = 16  # the dot path's row tile: M rows padded to the MMA's 16 (rows >= M load zeros, are not stored)
-ACC3_ELEMS_PER_THREAD = 32  # its register budget per thread (per weight tile)
 
 
 # ------------------------------------------------------------------------------------- kernel
-@triton.jit
-def _row_tile(x_ptr, stride_x, r_ptr, stride_r, nw_ptr, inv, rows, rm, k, km,
-              dt: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr):
-    """The [BM, BLOCK_K] slice ``k`` of every row's operand in the dtype: x, or (NORM) fused_ops.add_rms_norm's
-    roundings of it, weight_norm * rmsnorm(x + residual) with the rows' 1/rms ``inv``. Rows >= M are zeros."""
-    mk = rm[:, None] & km[None, :]
-    a = tl.load(x_ptr + rows[:, None] * stride_x + k[None, :], mask=mk, other=0.0)
-    if NORM:
-        g = tl.load(nw_ptr + k, mask=km, other=0.0).to(tl.float32)
-        if HAS_RES:
-            r = tl.load(r_ptr + rows[:, None] * stride_r + k[None, :], mask=mk, other=0.0)
-            a = cast_rtne(a.to(tl.float32) + r.to(tl.float32), dt)
-        a = cast_rtne(cast_rtne(a.to(tl.float32) * inv[:, None], dt).to(tl.float32) * g[None, :], dt)
-    return a
-
-
 @triton.jit
 def _gemv_kernel(
     x_ptr, stride_x, r_ptr, stride_r, s_ptr, stride_s, nw_ptr, eps,
@@ -112,11 +77,12 @@ def _gemv_kernel(
     K, N, UP,
     M: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr,
     NUM_STAGES: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
-    GATE_UP: tl.constexpr, PRECISE: tl.constexpr, ROWS3D: tl.constexpr, DOT: tl.constexpr, DOT_F32: tl.constexpr,
+    GATE_UP: tl.constexpr, PRECISE: tl.constexpr,
 ):
     """y[:, n] = a @ W[:, n] for this program's BLOCK_N columns n, a = x (plain) or
     weight_norm * rmsnorm(x + residual) (NORM). GATE_UP: also u = a @ W[:, UP + n], y = silu(y) * u.
-    The product: DOT (tl.dot on the BM = 16 row tile), else ROWS3D (3-D partial products), else the row loop."""
+    The product: one loop over K in BLOCK_K steps, each weight tile loaded once and multiplied with
+    every row by a static loop over the M rows (BM: M padded to a power of two; rows >= M are not stored)."""
     pid = tl.program_id(0)
     dt = x_ptr.dtype.element_ty
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -140,75 +106,32 @@ def _gemv_kernel(
             ss += tl.sum(sf * sf, 1)
         inv = tl.math.rsqrt(ss / K + eps)
 
-    if DOT:  # tensor cores: [BM, BLOCK_K] x [BLOCK_K, BLOCK_N] per K step, fp32 accumulation
-        acc = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
-        acc_u = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
-        kb = tl.arange(0, BLOCK_K)
-        for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-            k = k0 + kb
-            km = k < K
-            wmask = km[:, None] & nm[None, :]
-            w_off = k[:, None] * stride_wk + n[None, :] * stride_wn
-            w = tl.load(w_ptr + w_off, mask=wmask, other=0.0)  # in the dtype: the MMA's operand
+    acc = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
+    kb = tl.arange(0, BLOCK_K)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):  # the K loop
+        k = k0 + kb
+        km = k < K
+        wmask = km[:, None] & nm[None, :]
+        w_off = k[:, None] * stride_wk + n[None, :] * stride_wn
+        w = tl.load(w_ptr + w_off, mask=wmask, other=0.0).to(tl.float32)  # the weight first: in flight early
+        if GATE_UP:
+            wu = tl.load(w_ptr + w_off + UP * stride_wn, mask=wmask, other=0.0).to(tl.float32)
+        if NORM:
+            g = tl.load(nw_ptr + k, mask=km, other=0.0).to(tl.float32)
+        for m in tl.static_range(M):  # each row reduced over this K slice
+            a = tl.load(x_ptr + m * stride_x + k, mask=km, other=0.0)
+            if NORM:  # fused_ops.add_rms_norm's roundings, on this K slice of row m
+                if HAS_RES:
+                    r = tl.load(r_ptr + m * stride_r + k, mask=km, other=0.0)
+                    a = cast_rtne(a.to(tl.float32) + r.to(tl.float32), dt)
+                inv_m = tl.sum(tl.where(rows == m, inv, 0.0), 0)
+                a = cast_rtne(cast_rtne(a.to(tl.float32) * inv_m, dt).to(tl.float32) * g, dt)
+            af = a.to(tl.float32)[:, None]
+            sel = (rows == m)[:, None]
+            acc = tl.where(sel, acc + tl.sum(af * w, 0)[None, :], acc)
             if GATE_UP:
-                wu = tl.load(w_ptr + w_off + UP * stride_wn, mask=wmask, other=0.0)
-            a = _row_tile(x_ptr, stride_x, r_ptr, stride_r, nw_ptr, inv, rows, rm, k, km, dt, NORM, HAS_RES)
-            if DOT_F32:  # fp32 activations, or the interpreter (whose tl.dot multiplies bf16's uint16 bits):
-                # fp32 operands (exact: they hold dtype values) and IEEE fp32 products, no TF32
-                af = a.to(tl.float32)
-                acc = tl.dot(af, w.to(tl.float32), acc, input_precision="ieee")
-                if GATE_UP:
-                    acc_u = tl.dot(af, wu.to(tl.float32), acc_u, input_precision="ieee")
-            else:  # bf16 / fp16 operands: their products are exact in the fp32 accumulator
-                acc = tl.dot(a, w, acc)
-                if GATE_UP:
-                    acc_u = tl.dot(a, wu, acc_u)
-    elif ROWS3D:  # every row at once: [BM, BLOCK_K, BLOCK_N] partial products, one K reduction at the end
-        kb = tl.arange(0, BLOCK_K)
-        acc3 = tl.zeros([BM, BLOCK_K, BLOCK_N], dtype=tl.float32)
-        acc3_u = tl.zeros([BM, BLOCK_K, BLOCK_N], dtype=tl.float32)
-        for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-            k = k0 + kb
-            km = k < K
-            wmask = km[:, None] & nm[None, :]
-            w_off = k[:, None] * stride_wk + n[None, :] * stride_wn
-            w = tl.load(w_ptr + w_off, mask=wmask, other=0.0).to(tl.float32)
-            if GATE_UP:
-                wu = tl.load(w_ptr + w_off + UP * stride_wn, mask=wmask, other=0.0).to(tl.float32)
-            a = _row_tile(x_ptr, stride_x, r_ptr, stride_r, nw_ptr, inv, rows, rm, k, km, dt, NORM, HAS_RES)
-            af = a.to(tl.float32)[:, :, None]
-            acc3 += af * w[None, :, :]
-            if GATE_UP:
-                acc3_u += af * wu[None, :, :]
-        acc = tl.sum(acc3, 1)
-        acc_u = tl.sum(acc3_u, 1)
-    else:  # a static loop over the rows, each reduced over K at every K step
-        acc = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
-        acc_u = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
-        kb = tl.arange(0, BLOCK_K)
-        for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-            k = k0 + kb
-            km = k < K
-            wmask = km[:, None] & nm[None, :]
-            w_off = k[:, None] * stride_wk + n[None, :] * stride_wn
-            w = tl.load(w_ptr + w_off, mask=wmask, other=0.0).to(tl.float32)  # the weight first: in flight early
-            if GATE_UP:
-                wu = tl.load(w_ptr + w_off + UP * stride_wn, mask=wmask, other=0.0).to(tl.float32)
-            if NORM:
-                g = tl.load(nw_ptr + k, mask=km, other=0.0).to(tl.float32)
-            for m in tl.static_range(M):
-                a = tl.load(x_ptr + m * stride_x + k, mask=km, other=0.0)
-                if NORM:  # fused_ops.add_rms_norm's roundings, on this K slice of row m
-                    if HAS_RES:
-                        r = tl.load(r_ptr + m * stride_r + k, mask=km, other=0.0)
-                        a = cast_rtne(a.to(tl.float32) + r.to(tl.float32), dt)
-                    inv_m = tl.sum(tl.where(rows == m, inv, 0.0), 0)
-                    a = cast_rtne(cast_rtne(a.to(tl.float32) * inv_m, dt).to(tl.float32) * g, dt)
-                af = a.to(tl.float32)[:, None]
-                sel = (rows == m)[:, None]
-                acc = tl.where(sel, acc + tl.sum(af * w, 0)[None, :], acc)
-                if GATE_UP:
-                    acc_u = tl.where(sel, acc_u + tl.sum(af * wu, 0)[None, :], acc_u)
+                acc_u = tl.where(sel, acc_u + tl.sum(af * wu, 0)[None, :], acc_u)
 
     if HAS_BIAS:
         acc = acc + tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
@@ -236,50 +159,23 @@ def _floor_pow2(v: int) -> int:
 
 
 def gemv_config(M: int, K: int, N: int, tiles: int = 1, block_n: int | None = None, block_k: int | None = None,
-                num_warps: int | None = None, num_stages: int | None = None, rows3d: bool | None = None,
-                dot: bool | None = None) -> dict:
+                num_warps: int | None = None, num_stages: int | None = None) -> dict:
     """Launch configuration for M rows, reduction size K and N output columns per weight tile (``tiles``
     tiles per program: 2 for gate|up). Any value can be overridden (benchmarks sweep them).
 
-    The path through the rows (precedence: ``dot``, then ``rows3d``, then the default by row count):
-
-    - ``dot=True``: tl.dot on the rows padded to a DOT_ROWS (16) row tile (``rows3d=True`` with it is an error);
-    - ``dot=False``: the CUDA-core paths, ``rows3d`` picking between them (default: the 3-D tile from
-      ROWS3D_MIN_ROWS rows on);
-    - ``dot=None`` (default): ``rows3d=True/False`` given selects that CUDA-core path; otherwise tl.dot from
-      DOT_MIN_ROWS rows on and the row loop for one row.
-
-    ``rows3d``: every row in one ``[BM, BLOCK_K, BLOCK_N]`` tile of partial products, reduced over K
-    once at the end, instead of the static loop over rows that reduces each row at every K step.
-
     Defaults: BLOCK_N the smallest power of two >= 8 giving at most ~TARGET_PROGRAMS programs (at most
-    64), for every path (8 for SmolLM2: 120 programs for qkv, 72 for o / down, 96 of 2 tiles for
-    gate|up; tl.dot takes N = 8 on NVIDIA in Triton >= 3.4, the m16n8k16 MMA's own width, so the dot
-    path keeps the program count of the 1-row path). BLOCK_K as large as WEIGHT_ELEMS_PER_THREAD allows
-    for the weight tile(s) per K step (row loop: one K step for K = 576 at BLOCK_N 8), for the weight
-    tile(s) plus the padded row tile (dot: 256 for qkv, 128 for gate|up at 4 warps) or at
-    ACC3_ELEMS_PER_THREAD for the partial products (rows3d); 4 warps; cp.async pipelining (3 stages)
-    only with several K steps (dot at K = 576: the whole K slice of a program in flight at once; the
-    1-row measurements favour few deep loads over many shallow ones)."""
-    if dot and rows3d:
-        raise ValueError("dot=True and rows3d=True are two different paths: pick one")
-    d = (rows3d is None and M >= DOT_MIN_ROWS) if dot is None else dot
-    r3 = False if d else (M >= ROWS3D_MIN_ROWS if rows3d is None else rows3d)
+    64; 8 for SmolLM2: 120 programs for qkv, 72 for o / down, 96 of 2 tiles for gate|up). BLOCK_K as
+    large as WEIGHT_ELEMS_PER_THREAD allows for the weight tile(s) per K step (one K step for K = 576 at
+    BLOCK_N 8); 4 warps; cp.async pipelining (3 stages) only with several K steps (the 1-row
+    measurements favour few deep loads over many shallow ones)."""
     nw = num_warps or 4
-    bm = DOT_ROWS if d else next_pow2(M)
+    bm = next_pow2(M)
     bn = _pow2(block_n, "block_n") if block_n else max(8, min(64, next_pow2(triton.cdiv(N, TARGET_PROGRAMS))))
-    if d:  # registers per K element: the weight tile(s) and the (padded) row tile
-        per_k, budget = bn * tiles + bm, WEIGHT_ELEMS_PER_THREAD * 32 * nw
-    elif r3:  # the partial products
-        per_k, budget = bn * tiles * bm, ACC3_ELEMS_PER_THREAD * 32 * nw
-    else:  # the weight tile(s)
-        per_k, budget = bn * tiles, WEIGHT_ELEMS_PER_THREAD * 32 * nw
-    bk = _pow2(block_k, "block_k") if block_k else max(16, min(next_pow2(K), _floor_pow2(budget // per_k)))
-    if d and bk < 16:
-        raise ValueError(f"block_k {bk}: tl.dot needs a K tile of at least 16")
+    budget = WEIGHT_ELEMS_PER_THREAD * 32 * nw  # registers for the weight tile(s): bn * tiles per K element
+    bk = _pow2(block_k, "block_k") if block_k else max(16, min(next_pow2(K), _floor_pow2(budget // (bn * tiles))))
     stages = num_stages or (1 if bk >= K else 3)
     return dict(BLOCK_N=bn, BLOCK_K=bk, NORM_BLOCK=max(16, min(next_pow2(K), max(bk, NORM_TILE_ELEMS // bm))),
-                NUM_STAGES=stages, num_warps=nw, ROWS3D=r3, DOT=d, BM=bm)
+                NUM_STAGES=stages, num_warps=nw, BM=bm)
 
 
 # ----------------------------------------------------------------------------------- wrappers
@@ -330,9 +226,7 @@ def _launch(x2, r2, s2, norm_weight, eps, w_t, bias, y2, N, up, cfg, norm, gate_
         K, N, up,
         M=M, BM=cfg["BM"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], NORM_BLOCK=cfg["NORM_BLOCK"],
         NUM_STAGES=cfg["NUM_STAGES"], NORM=norm, HAS_RES=r2 is not None, HAS_BIAS=bias is not None,
-        GATE_UP=gate_up, PRECISE=x2.device.type == "cuda", ROWS3D=cfg["ROWS3D"], DOT=cfg["DOT"],
-        DOT_F32=x2.dtype == torch.float32 or x2.device.type != "cuda",
-        num_warps=cfg["num_warps"], **_launch_opts(x2),
+        GATE_UP=gate_up, PRECISE=x2.device.type == "cuda", num_warps=cfg["num_warps"], **_launch_opts(x2),
     )
 
 
@@ -354,7 +248,7 @@ def add_rms_norm_linear(x: Tensor, residual: Tensor | None, norm_weight: Tensor,
     """K1: ``s = x + residual`` (rounded to x's dtype; ``s = x`` when residual is None) and
     ``y = (norm_weight * rmsnorm(s)) @ w_t (+ bias)`` in x's dtype, for at most MAX_ROWS rows of x
     ``[.., K]``; ``w_t`` ``[K, N]``. Returns ``(y [.., N], s)`` = add_rms_norm followed by the Linear.
-    ``config``: overrides of gemv_config (block_n, block_k, num_warps, num_stages, rows3d, dot)."""
+    ``config``: overrides of gemv_config (block_n, block_k, num_warps, num_stages)."""
     K, N, x2, r2, s2, s = _norm_inputs(x, residual, norm_weight, w_t, bias)
     M = x2.shape[0]
     y = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)

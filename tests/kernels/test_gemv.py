@@ -5,10 +5,7 @@ Runs in Triton's interpreter on the CPU (tests/kernels/conftest.py). The kernels
 of the unfused path but sum the products in another order than the reference's matmul, so fp32 is
 compared to ~1e-5 and bf16 to within an ulp on a small fraction of the elements; the residual sum
 ``s`` is compared exactly. Most cases use BLOCK_N 128 to keep the interpreter's program count small;
-the default configuration (BLOCK_N 8) and longer K loops have their own cases. From 2 rows the
-wrappers take the tl.dot path by default (so the 3- and 8-row cases above run it; test_dot_path has
-its own matrix); the CUDA-core paths (row loop, 3-D tile) are asked for explicitly in their cases.
-In the interpreter the dot path multiplies fp32 operands (its bf16 tl.dot is not usable there).
+the default configuration (BLOCK_N 8) and longer K loops have their own cases.
 """
 
 from __future__ import annotations
@@ -145,110 +142,20 @@ def test_default_config_bf16() -> None:
     _assert_gemv_close(y, y_ref, _bound(add_rms_norm(x, res, nw, 1e-6)[0], w))
 
 
-@pytest.mark.parametrize("path", ["dot", "rows3d"])
 @pytest.mark.parametrize(("M", "K", "block_k"), [(3, 576, 64), (2, 100, 64), (8, 1100, None)])
-def test_k_loop_steps(M: int, K: int, block_k: int | None, path: str) -> None:
-    """Several (pipelined) K steps, a ragged last one, and (K = 1100 at 8 rows) a two-pass sum of squares,
-    on the tl.dot path (the default from 2 rows) and the 3-D tile."""
-    kw = dict(block_k=block_k, **({"dot": True} if path == "dot" else {"rows3d": True}))
-    cfg = gemv_config(M, K, 24, **kw)
-    assert cfg["BLOCK_K"] < K and cfg["NUM_STAGES"] == 3 and cfg["DOT"] == (path == "dot")
+def test_k_loop_steps(M: int, K: int, block_k: int | None) -> None:
+    """Several (pipelined) K steps, a ragged last one, and (K = 1100 at 8 rows) a two-pass sum of squares."""
+    cfg = gemv_config(M, K, 24, block_k=block_k)
+    assert cfg["BLOCK_K"] < K and cfg["NUM_STAGES"] == 3
     assert block_k or cfg["NORM_BLOCK"] < K
     x, res, nw, w, _ = _inputs(M, K, 24, torch.float32, True, True, seed=K)
-    y, s = add_rms_norm_linear(x, res, nw, 1e-5, w, **kw)
+    y, s = add_rms_norm_linear(x, res, nw, 1e-5, w, block_k=block_k)
     y_ref, s_ref = add_rms_norm_linear_reference(x, res, nw, 1e-5, w)
     assert torch.equal(s, s_ref)
     _assert_gemv_close(y, y_ref, _bound(add_rms_norm(x, res, nw, 1e-5)[0], w))
-    act, _ = add_rms_norm_gate_up_silu(x, res, nw, 1e-5, w, **kw)
+    act, _ = add_rms_norm_gate_up_silu(x, res, nw, 1e-5, w, block_k=block_k)
     _assert_gemv_close(act, add_rms_norm_gate_up_silu_reference(x, res, nw, 1e-5, w)[0], _bound(x, w[:, :12]) * 10)
-    _assert_gemv_close(linear_small_m(x, w, **kw), linear_small_m_reference(x, w), _bound(x, w))
-
-
-def test_path_precedence() -> None:
-    """gemv_config's dot / rows3d: tl.dot by default from DOT_MIN_ROWS rows, an explicit rows3d picks a
-    CUDA-core path, dot=False leaves rows3d's default, dot=True with rows3d=True is refused."""
-    from dspark.kernels.gemv import DOT_MIN_ROWS, DOT_ROWS, ROWS3D_MIN_ROWS
-
-    assert DOT_MIN_ROWS == 2 and DOT_ROWS == 16
-    paths = {}
-    for M in (1, 2, 6, 16):
-        for kw in ({}, dict(dot=True), dict(dot=False), dict(rows3d=True), dict(rows3d=False),
-                   dict(dot=True, rows3d=False), dict(dot=False, rows3d=True)):
-            c = gemv_config(M, 576, 960, **kw)
-            paths[M, tuple(kw.items())] = "dot" if c["DOT"] else ("3d" if c["ROWS3D"] else "loop")
-            assert c["BM"] == (16 if c["DOT"] else 1 << (M - 1).bit_length())
-    for M in (2, 6, 16):
-        assert paths[M, ()] == "dot"
-        assert paths[M, (("dot", False),)] == ("3d" if M >= ROWS3D_MIN_ROWS else "loop")
-    assert paths[1, ()] == "loop" and paths[1, (("dot", True),)] == "dot"
-    for M in (1, 2, 6, 16):
-        assert paths[M, (("rows3d", True),)] == paths[M, (("dot", False), ("rows3d", True))] == "3d"
-        assert paths[M, (("rows3d", False),)] == "loop"
-        assert paths[M, (("dot", True), ("rows3d", False))] == "dot"
-    with pytest.raises(ValueError, match="pick one"):
-        gemv_config(6, 576, 960, dot=True, rows3d=True)
-    # the dot path's defaults for SmolLM2's shapes (gemv_config's docstring): BLOCK_N 8 as at one row
-    # (120 / 72 programs), 16 for gate|up (96 programs of two tiles); a K slice in a few pipelined steps
-    shapes = {"qkv": (576, 960, 1), "gate_up": (576, 1536, 2), "o": (576, 576, 1), "down": (1536, 576, 1)}
-    want = {"qkv": (8, 256, 3), "gate_up": (16, 128, 3), "o": (8, 256, 3), "down": (8, 256, 3)}
-    for name, (K, N, tiles) in shapes.items():
-        c = gemv_config(6, K, N, tiles)
-        assert c["DOT"] and (c["BLOCK_N"], c["BLOCK_K"], c["NUM_STAGES"], c["num_warps"]) == (*want[name], 4)
-    with pytest.raises(ValueError, match="power of two"):
-        gemv_config(6, 576, 960, block_k=48)
-
-
-# ---------------------------------------------------------------------------- the tl.dot path
-@pytest.mark.parametrize("layout", ["input_major", "output_major"])
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("M", [2, 3, 6, 8, 16])
-def test_dot_path(M: int, dtype: torch.dtype, layout: str) -> None:
-    """The tl.dot path (rows padded to 16) against the references, for the three wrappers: K = 200 in
-    K steps of 64 (the last ragged), N = 72 in tiles of 32 (the last ragged; gate|up: I = 36), strided
-    rows for odd M, a bias, a residual or none (both for each M across K1 / K2), input-major weights or
-    a transposed view of an output-major copy."""
-    K, N, kw = 200, 72, dict(block_n=32, block_k=64, dot=True)
-    x, res, nw, w, bias = _inputs(M, K, N, dtype, True, M % 2 == 1, seed=100 + M + 7 * (dtype == torch.bfloat16))
-    if layout == "output_major":
-        w = w.t().contiguous().t()
-        assert w.stride() == (1, K)
-    assert gemv_config(M, K, N, **{k: v for k, v in kw.items()})["DOT"]
-    res_k1, res_k2 = (res, None) if M in (2, 6, 16) else (None, res)
-    # K1: add + norm + linear (+ bias)
-    y, s = add_rms_norm_linear(x, res_k1, nw, 1e-5, w, bias, **kw)
-    y_ref, s_ref = add_rms_norm_linear_reference(x, res_k1, nw, 1e-5, w, bias)
-    assert torch.equal(s, s_ref) and (res_k1 is not None or s is x)
-    _assert_gemv_close(y, y_ref, _bound(add_rms_norm(x, res_k1, nw, 1e-5)[0], w))
-    # K2: add + norm + gate|up + SwiGLU
-    act, s2 = add_rms_norm_gate_up_silu(x, res_k2, nw, 1e-5, w, **kw)
-    act_ref, s2_ref = add_rms_norm_gate_up_silu_reference(x, res_k2, nw, 1e-5, w)
-    assert act.shape == (M, N // 2) and torch.equal(s2, s2_ref)
-    h = add_rms_norm(x, res_k2, nw, 1e-5)[0]
-    gu = linear_small_m_reference(h, w).float()
-    bound = _bound(h, w[:, :N // 2]) * gu[:, N // 2:].abs() + gu[:, :N // 2].abs() * _bound(h, w[:, N // 2:])
-    _assert_gemv_close(act, act_ref, bound, ulps=4)
-    # K3: plain linear (+ bias)
-    _assert_gemv_close(linear_small_m(x, w, bias, **kw), linear_small_m_reference(x, w, bias), _bound(x, w))
-
-
-def test_dot_path_default_config_bf16() -> None:
-    """6 rows (a verification block at batch 1) with the dot path's default configuration, bf16: qkv-like
-    and gate|up-like (BLOCK_N 8, K = 576 in 3 pipelined steps of 256, the last ragged), N cut to 240 / 2 x 160
-    to keep the interpreter's program count small (SmolLM2's gate|up gets BLOCK_N 16: test_path_precedence)."""
-    x, res, nw, w, _ = _inputs(6, 576, 480, torch.bfloat16, True, False, seed=4)
-    cfg, cfg_gu = gemv_config(6, 576, 240), gemv_config(6, 576, 160, 2)
-    assert cfg["DOT"] and (cfg["BLOCK_N"], cfg["BLOCK_K"]) == (8, 256)
-    assert cfg_gu["DOT"] and (cfg_gu["BLOCK_N"], cfg_gu["BLOCK_K"], cfg_gu["NUM_STAGES"]) == (8, 256, 3)
-    y, s = add_rms_norm_linear(x, res, nw, 1e-6, w[:, :240])
-    y_ref, s_ref = add_rms_norm_linear_reference(x, res, nw, 1e-6, w[:, :240])
-    assert torch.equal(s, s_ref)
-    h = add_rms_norm(x, res, nw, 1e-6)[0]
-    _assert_gemv_close(y, y_ref, _bound(h, w[:, :240]))
-    w_gu = w[:, 160:]
-    act, _ = add_rms_norm_gate_up_silu(x, res, nw, 1e-6, w_gu)
-    gu = linear_small_m_reference(h, w_gu).float()
-    bound = _bound(h, w_gu[:, :160]) * gu[:, 160:].abs() + gu[:, :160].abs() * _bound(h, w_gu[:, 160:])
-    _assert_gemv_close(act, add_rms_norm_gate_up_silu_reference(x, res, nw, 1e-6, w_gu)[0], bound, ulps=4)
+    _assert_gemv_close(linear_small_m(x, w, block_k=block_k), linear_small_m_reference(x, w), _bound(x, w))
 
 
 def test_output_major_weight_view() -> None:
@@ -278,6 +185,8 @@ def test_bad_inputs() -> None:
         linear_small_m(torch.zeros(17, 64), w)
     with pytest.raises(ValueError, match="power of two"):
         linear_small_m(x, w, block_n=12)
+    with pytest.raises(ValueError, match="power of two"):
+        gemv_config(6, 576, 960, block_k=48)
     empty = linear_small_m(x[:0], w)
     assert empty.shape == (0, 32)
 
