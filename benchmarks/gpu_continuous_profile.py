@@ -8,6 +8,7 @@ now run as a graph sub-step plus an eager prefill sub-step (ModelRunner._split).
 
 Every ``engine.step()`` call is filed under what it ran: a synchronous ``runner.execute``, classified as
   graph   decode / verification rows only, on the CUDA graphs (runner.graphs.covers);
+  graph_prefill  prefill chunks as q-token rows of a one-sync graph step (runner._graph_prefill);
   split   a mixed step run as a graph sub-step + an eager sub-step (runner._split);
   eager   anything else (a prefill alone, or a step the graphs cannot take);
 or a step launched for async scheduling (``launch_spec``: DSpark one-sync, ``launch``: plain), joined
@@ -42,6 +43,8 @@ from dspark import LLM, SamplingParams  # noqa: E402
 def classify(runner, scheduled) -> str:
     if runner.graphs is not None and runner.graphs.covers(scheduled):
         return "graph"
+    if runner._graph_prefill(scheduled):
+        return "graph_prefill"
     if runner._split(scheduled):
         return "split"
     return "eager"
@@ -140,7 +143,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--speculative-config", default='{"method": "dspark"}')
     ap.add_argument("--device", default="cuda", help="cuda; cpu for a smoke run (fp32, tiny sizes)")
-    ap.add_argument("--systems", default="plain,dspark", help="which of plain,dspark to profile")
+    ap.add_argument("--systems", default="plain,dspark",
+                    help="which of plain,dspark,dspark-eager-prefill to profile (the last: DSpark with "
+                         "graph_prefill_tokens=0, admissions' prefill eager as before session 16)")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -149,11 +154,14 @@ def main() -> None:
     res: dict = {"gpu": torch.cuda.get_device_name() if a.device == "cuda" else "cpu", "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
                  "batch": a.batch, "prompts": a.prompts, "max_tokens": a.max_tokens}
     texts = heldout_prompts(a.prompts, a.prompt_source)
-    systems = (("plain", None), ("dspark", json.loads(a.speculative_config)))
-    for name, spec in (x for x in systems if x[0] in a.systems.split(",")):
+    spec = json.loads(a.speculative_config)
+    systems = {"plain": (None, 512), "dspark": (spec, 512), "dspark-eager-prefill": (spec, 0)}
+    for name in a.systems.split(","):
+        spec, prefill_tokens = systems[name]
         cuda = a.device == "cuda"
         llm = LLM(a.model, device=a.device, dtype="bfloat16" if cuda else "float32", max_model_len=2048,
-                  max_num_seqs=a.batch, kv_cache_memory_gb=16 if cuda else 0.5, enable_prefix_caching=False, speculative_config=spec)
+                  max_num_seqs=a.batch, kv_cache_memory_gb=16 if cuda else 0.5, enable_prefix_caching=False,
+                  speculative_config=spec, graph_prefill_tokens=prefill_tokens)
         prompts = [llm.engine.tokenize_chat([{"role": "user", "content": t}]) for t in texts]
         llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True))  # warm-up
         row = {"async": profile_system(llm, prompts, a.batch, a.max_tokens, sync=False),

@@ -45,6 +45,10 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-async-scheduling", action="store_true",
                    help="wait for each step's tokens before scheduling the next one (by default, with CUDA graphs "
                         "(plain decoding; greedy DSpark), step t+1 is launched before step t's tokens are read back)")
+    p.add_argument("--graph-prefill-tokens", type=int, default=512,
+                   help="with DSpark and CUDA graphs: prompt tokens one verification graph step can carry as prefill "
+                        "rows besides the batch's verification rows (an admission then costs one graph step instead "
+                        "of an eager prefill); 0: prefill chunks always run eagerly (default: 512)")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the throwaway requests run at start-up on CUDA (they compile the eager paths' Triton "
                         "kernels before the first real request)")
@@ -56,6 +60,7 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
         kv_cache_memory_gb=a.kv_cache_memory_gb, enable_prefix_caching=not a.no_prefix_caching, seed=a.seed,
         attention_backend=a.attention_backend, enforce_eager=a.enforce_eager, batch_invariant=a.batch_invariant,
         async_scheduling=not a.no_async_scheduling, warmup=False if a.no_warmup else None,
+        graph_prefill_tokens=a.graph_prefill_tokens,
     )
     if a.max_model_len is not None:
         kw["max_model_len"] = a.max_model_len

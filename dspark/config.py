@@ -101,6 +101,10 @@ class EngineConfig:
     # True: with CUDA graphs (plain decoding; greedy DSpark), the next step is launched before the current
     # one's tokens are read back, so the host's bookkeeping overlaps the GPU (engine/llm_engine.py).
     async_scheduling: bool = True
+    # DSpark with CUDA graphs: prompt tokens a verification graph step can carry besides max_num_seqs
+    # requests' verification rows (prefill chunks as q-token pseudo-rows, cuda_graphs.py "Prefill rows");
+    # 0: every step with a prefill chunk runs its prefill eagerly.
+    graph_prefill_tokens: int = 512
     # Throwaway requests at start-up (LLMEngine.warm_up), so the first real ones do not pay for Triton
     # compiles of the eager paths; None: on CUDA only (on a CPU there is nothing to compile).
     warmup: bool | None = None
@@ -109,6 +113,8 @@ class EngineConfig:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.graph_prefill_tokens < 0:
+            raise ValueError(f"graph_prefill_tokens must be >= 0, got {self.graph_prefill_tokens}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.attention_backend not in ATTENTION_BACKENDS:

@@ -41,6 +41,7 @@ def run_header(benchmark: str, engine, device: str) -> dict:
         "attention_backend": cfg.resolved_attention_backend,
         "enforce_eager": cfg.enforce_eager,
         "async_scheduling": cfg.async_scheduling,
+        "graph_prefill_tokens": cfg.graph_prefill_tokens,
         "enable_prefix_caching": cfg.enable_prefix_caching,
     }
 

@@ -17,8 +17,8 @@ What is captured (only with the triton attention backend on CUDA, unless ``enfor
   block pass, drafter attention over the paged context, base logits, the fused Markov sampler over
   all N slots (not the confidence head: nothing in the engine reads c_k yet).
 - A step qualifies when every scheduled request samples and has no prefill rows (each runs
-  1 + its drafts rows), and the batch fits the largest captured size; anything else (prefill chunks,
-  mixed batches) runs eagerly, as with ``enforce_eager``.
+  1 + its drafts rows), and the batch fits the largest captured size; with DSpark, prefill chunks
+  can ride along as prefill rows (below); anything else runs eagerly, as with ``enforce_eager``.
 
 Padding (the graphs have fixed shapes): a request with q_b < q real rows gets q − q_b extra rows
 after its real ones, at positions after its own; its seq_len grows by as many, so its real rows keep
@@ -26,6 +26,19 @@ their positions (the kernels derive a row's position from seq_len) and see nothi
 Padding requests (b ≥ the real batch) decode q rows at positions 0..q−1 of the dummy block 0.
 Every padding row writes its K/V to slot 0 of the dummy block (kv_cache.py: never live), so nothing
 live is ever touched; its outputs are never read.
+
+Prefill rows (DSpark graphs only): a step that mixes prefill chunks with verification rows (every
+admission in continuous batching) replays the verification graph too, each chunk of L tokens cut into
+ceil(L / q) rows of q tokens (the last one partial, padded as above), each row a pseudo-request with the
+chunk's block table, positions start + q·k .. and seq_len start + q·(k + 1). That is exact chunked
+prefill: every layer writes all rows' K/V before its attention reads the paged cache, so row k of a chunk
+sees rows < k of the same step (and itself causally). The runner (launch_one_sync) commits every real row
+of a prefill row to the drafter's context, and only the last row of a chunk that ends its prompt emits
+a token (the argmax at its last real row, or the Sampler's draw for a sampled request) and drafts from it;
+other prefill rows draft too (reads only) and are never read. Batch sizes are captured up to max_num_seqs
++ ceil(graph_prefill_tokens / q) rows; a step whose rows do not fit falls back to the split (graph
+verification + eager prefill). Why (H200, session 16): an eager prefill sub-step cost ~18 ms (hundreds of
+launches from Python), against ~2 ms for a graph step, and continuous batching at B=32 made ~70 of them.
 
 Context buckets (seed 000): the paged-attention kernels read each request's seq_len at run time, so
 a graph's loop bounds already follow the real context; what capture fixes is the split of the key
@@ -102,11 +115,14 @@ class StepGraphs:
         self.block_size = bs = cfg.block_size
         self.n_spec = runner.num_spec_tokens
         self.q = q = 1 + self.n_spec
-        self.batch_sizes = batch_sizes or graph_batch_sizes(cfg.max_num_seqs)
-        max_len = cfg.max_model_len + q  # a padded request's seq_len reaches max_model_len + q - 1
-        self.buckets = buckets or context_buckets(max_len)
         prop = runner.proposer
         self.draft_graphs = isinstance(prop, DSparkProposer) and prop.use_triton and self.n_spec > 0
+        # Prefill rows (module docstring): room for graph_prefill_tokens prompt tokens as q-token rows
+        # besides max_num_seqs requests' verification rows.
+        self.prefill_rows = -(-cfg.graph_prefill_tokens // q) if self.draft_graphs and q > 1 else 0
+        self.batch_sizes = batch_sizes or graph_batch_sizes(cfg.max_num_seqs + self.prefill_rows)
+        max_len = cfg.max_model_len + q  # a padded request's seq_len reaches max_model_len + q - 1
+        self.buckets = buckets or context_buckets(max_len)
         dev = runner.device
         Bm = max(self.batch_sizes)
         Tm = Bm * q
@@ -266,14 +282,30 @@ class StepGraphs:
             self.sampling.top_p.fill_(1.0)
 
     # ------------------------------------------------------------------ one step
+    def _decode_row(self, s) -> bool:
+        """A request that decodes / verifies its drafts: one graph row."""
+        return s.samples and s.num_tokens == 1 + s.num_spec_tokens and s.num_tokens <= self.q
+
     def covers(self, scheduled) -> bool:
         """Whether this step can run as graphs: decode / verification rows only, batch small enough."""
         if len(scheduled) > self.max_batch or not scheduled:
             return False
-        for s in scheduled:
-            if not s.samples or s.num_tokens != 1 + s.num_spec_tokens or s.num_tokens > self.q:
-                return False
-        return True
+        return all(self._decode_row(s) for s in scheduled)
+
+    def row_counts(self, scheduled) -> list[int]:
+        """Graph rows of each request: 1 for a decode / verification row, ceil(num_tokens / q) for a
+        prefill chunk (prefill rows, module docstring)."""
+        q = self.q
+        return [1 if self._decode_row(s) else -(-s.num_tokens // q) for s in scheduled]
+
+    def covers_prefill(self, scheduled) -> bool:
+        """Whether this step, which has prefill chunks, fits the graphs as prefill rows: DSpark graphs
+        with room for them, no drafts outside full decode rows, and every row within the largest graph."""
+        if not self.prefill_rows or not scheduled or self.covers(scheduled):
+            return False
+        if any(not self._decode_row(s) and s.num_spec_tokens for s in scheduled):
+            return False
+        return sum(self.row_counts(scheduled)) <= self.max_batch
 
     def run_target(self, scheduled, ids: list[int], starts: list[int], tables: list[list[int]]):
         """Fill the inputs for the scheduled requests (flattened ``ids``, each request's first position
@@ -313,9 +345,22 @@ class StepGraphs:
         ``num_tokens`` (each request's tokens before the step) is needed by ``drafter_inputs_on_device``."""
         q, bs, Tm, Bm = self.q, self.block_size, self.max_rows, self.max_batch
         B = len(scheduled)
-        Bg = _pick(self.batch_sizes, B)
         n = np.fromiter((s.num_tokens for s in scheduled), np.int64, B)
         st = np.asarray(starts, dtype=np.int64)
+        prefill = None
+        counts = self.row_counts(scheduled)
+        if any(c > 1 for c in counts) or not all(self._decode_row(s) for s in scheduled):
+            # prefill rows: request b's chunk becomes counts[b] rows of q tokens (the last one partial)
+            rep = np.repeat(np.arange(B), counts)
+            k = np.arange(len(rep)) - np.repeat(np.cumsum(counts) - counts, counts)  # row index within its request
+            prefill = np.repeat([not self._decode_row(s) for s in scheduled], counts)
+            st = st[rep] + q * k
+            n = np.minimum(q, n[rep] - q * k)
+            tables = [tables[b] for b in rep]
+            if num_tokens is not None:
+                num_tokens = [num_tokens[b] for b in rep]
+            B = len(rep)
+        Bg = _pick(self.batch_sizes, B)
         j = np.arange(q)
         real = np.zeros((Bg, q), dtype=bool)
         real[:B] = j[None, :] < n[:, None]
@@ -338,7 +383,7 @@ class StepGraphs:
         self._hs[B:Bg] = q
         nd = h[3 * Tm + 4 * Bm:3 * Tm + 4 * Bm + Bg]
         nd[:] = 0
-        nd[:B] = n - 1
+        nd[:B] = n - 1 if prefill is None else np.where(prefill, 0, n - 1)  # prefill rows verify nothing
         if num_tokens is not None:
             nt = h[3 * Tm + 5 * Bm:3 * Tm + 5 * Bm + Bg]
             nt[:] = 1
@@ -415,18 +460,22 @@ class StepGraphs:
         ids[:, 0] = anchors
         ids[:, 1:] = drafts
 
-    def drafter_inputs_on_device(self, Bg: int, out: torch.Tensor, n_out: torch.Tensor) -> None:
+    def drafter_inputs_on_device(self, Bg: int, out: torch.Tensor, n_out: torch.Tensor,
+                                 commit: torch.Tensor | None = None) -> None:
         """The drafter's step inputs from this step's outcome, without the host: request b emitted
         out[b, :n_out[b]], so its first n_out[b] rows are committed (the anchor row and the accepted
-        drafts), the new anchor is its last emitted token, at position num_tokens[b] + n_out[b] - 1."""
+        drafts), the new anchor is its last emitted token, at position num_tokens[b] + n_out[b] - 1.
+        ``commit`` [B] (steps with prefill rows): the committed rows where they are not n_out (a prefill
+        row commits all its real rows and emits one token, its last row of a sampling chunk, or none)."""
         B, q = out.shape[0], self.q
         valid = self.valid[:Bg * q].view(Bg, q)
         valid.zero_()
-        valid[:B] = self.row_index[None, :] < n_out[:, None]
+        valid[:B] = self.row_index[None, :] < (n_out if commit is None else commit)[:, None]
         self.anchors[:Bg].zero_()
         self.anchor_pos[:Bg].zero_()
-        self.anchors[:B] = out.gather(1, (n_out - 1)[:, None]).squeeze(1)
-        self.anchor_pos[:B] = self.num_tokens[:B] + n_out - 1
+        last = n_out - 1 if commit is None else (n_out - 1).clamp(min=0)  # rows emitting nothing draft unread
+        self.anchors[:B] = out.gather(1, last[:, None]).squeeze(1)
+        self.anchor_pos[:B] = self.num_tokens[:B] + last
 
 
 __all__ = ["StepGraphs", "graph_batch_sizes", "context_buckets"]

@@ -19,10 +19,11 @@ from dspark import LLM, SamplingParams  # noqa: E402
 from tests.engine.test_async_scheduling import _drive, _summary, prompts, spec_pair  # noqa: E402,F401
 
 
-def _llm(spec_pair, one_sync: bool, **spec) -> LLM:
+def _llm(spec_pair, one_sync: bool, graph_prefill_tokens: int = 512, **spec) -> LLM:
     t, d = spec_pair
     llm = LLM(str(t), device="cpu", block_size=4, num_kv_blocks=128, attention_backend="triton", max_num_seqs=4,
-              async_scheduling=True, speculative_config={"model": str(d), **spec})
+              async_scheduling=True, graph_prefill_tokens=graph_prefill_tokens,
+              speculative_config={"model": str(d), **spec})
     llm.engine.runner.enable_graphs(capture=False, batch_sizes=[2, 4], buckets=[64, 128])
     llm.engine.runner.one_sync_sampled = one_sync
     return llm
@@ -101,7 +102,7 @@ def test_mixed_prefill_steps_split_into_graph_and_eager_halves(spec_pair, prompt
     reqs = list(zip(prompts + prompts[:1], PARAMS["mixed"] + PARAMS["sampled"][1:2]))
 
     def run(split: bool):
-        llm = _llm(spec_pair, True)
+        llm = _llm(spec_pair, True, graph_prefill_tokens=0)  # no prefill rows (tests/engine/test_graph_prefill.py)
         llm.engine.runner.split_mixed_steps = split
         llm.engine.scheduler.max_num_seqs = 2  # 4 requests through 2 slots: admissions mid-stream
         splits = []

@@ -1,0 +1,98 @@
+"""Prefill rows (dspark/engine/cuda_graphs.py): with DSpark, a step that mixes prefill chunks with
+verification rows (every admission in continuous batching) runs as one one-sync graph step, each
+prefill chunk cut into q-token rows of the verification graph (KV is written before attention reads
+it, so row k of a chunk sees rows < k). It must give the tokens, finish reasons and acceptance of the
+eager paths (the split step, and the whole step run eagerly), for greedy and seeded-sampled requests,
+chunked prefills (a chunk short of the prompt's end emits nothing), prefix-cache hits and
+preemption; and the KV pool stays whole. Checked on the CPU through the fixed-shape steps."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from dspark import LLM, SamplingParams  # noqa: E402
+from dspark.engine.runner import ModelRunner  # noqa: E402
+from tests.engine.test_async_scheduling import _drive, _summary, prompts, spec_pair  # noqa: E402,F401
+
+GREEDY = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+PARAMS = [
+    SamplingParams(temperature=0.4, top_p=0.9, seed=5, max_tokens=16, ignore_eos=True),
+    GREEDY,
+    SamplingParams(temperature=0.6, top_k=7, min_p=0.05, seed=9, max_tokens=18, ignore_eos=True),
+    SamplingParams(temperature=0.3, seed=1, max_tokens=12, ignore_eos=True),
+    GREEDY,
+]
+
+
+def _run(spec_pair, reqs, monkeypatch, mode: str, seats: int = 2, **kw):
+    """mode: "graph" (prefill rows), "split" (graph verification + eager prefill), "eager" (mixed steps
+    wholly eager). Returns (summary, (drafts, accepted), steps run with prefill rows)."""
+    t, d = spec_pair
+    llm = LLM(str(t), device="cpu", block_size=4, attention_backend="triton", max_num_seqs=4,
+              async_scheduling=True, speculative_config={"model": str(d)},
+              graph_prefill_tokens=0 if mode != "graph" else 512, **{"num_kv_blocks": 128, **kw})
+    runner = llm.engine.runner
+    runner.enable_graphs(capture=False, batch_sizes=[2, 4, 8, 16], buckets=[64, 128])
+    runner.split_mixed_steps = mode == "split"
+    llm.engine.scheduler.max_num_seqs = seats  # admissions mid-stream
+    used = []
+    orig = ModelRunner._graph_prefill
+    monkeypatch.setattr(ModelRunner, "_graph_prefill", lambda self, sc: used.append(orig(self, sc)) or used[-1])
+    got, _, _ = _drive(llm, reqs)
+    llm.engine.kv.check_integrity()
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_usable_blocks  # no block leaked (cached ones are free)
+    st = llm.engine.spec_stats
+    return _summary(got), (st.num_drafts, st.num_accepted), sum(used)
+
+
+@pytest.mark.parametrize("kw", [{}, {"max_num_batched_tokens": 12}], ids=["whole", "chunked"])
+def test_prefill_rows_match_the_eager_paths(spec_pair, prompts, monkeypatch, kw):
+    reqs = list(zip(prompts + prompts[:2], PARAMS))
+    want, want_acc, n0 = _run(spec_pair, reqs, monkeypatch, "eager", **kw)
+    split, split_acc, n1 = _run(spec_pair, reqs, monkeypatch, "split", **kw)
+    got, acc, n = _run(spec_pair, reqs, monkeypatch, "graph", **kw)
+    assert split == want and split_acc == want_acc
+    assert got == want and acc == want_acc
+    assert n0 == n1 == 0 and n >= 3  # admissions really ran as prefill rows
+    assert 0 < acc[1] < acc[0]
+
+
+def test_prefill_rows_greedy_equal_plain_decoding(spec_pair, prompts, monkeypatch):
+    """Greedy DSpark with prefill rows emits plain greedy decoding's tokens (lossless), four requests
+    through two seats, a prompt repeated (prefix-cache hit: its chunk starts mid-prompt)."""
+    t, _ = spec_pair
+    reqs = [(p, GREEDY) for p in prompts + prompts[1:2]]
+    plain = LLM(str(t), device="cpu", block_size=4, num_kv_blocks=128, attention_backend="triton",
+                enforce_eager=True).generate([p for p, _ in reqs], GREEDY)
+    got, _, n = _run(spec_pair, reqs, monkeypatch, "graph")
+    in_order = [got[rid][0] for rid in sorted(got, key=lambda rid: int(rid.split("-")[1]))]  # finish order -> arrival
+    assert in_order == [o.token_ids for o in plain]
+    assert n >= 2
+
+
+def test_prefill_rows_only_where_they_fit(spec_pair, prompts):
+    """covers_prefill: the rows of every chunk and every verification must fit the largest graph;
+    steps of decode rows only stay `covers`; no prefill rows without DSpark graphs' room for them."""
+    from dspark.engine.scheduler import ScheduledRequest
+
+    t, d = spec_pair
+    llm = LLM(str(t), device="cpu", block_size=4, num_kv_blocks=128, attention_backend="triton", max_num_seqs=4,
+              speculative_config={"model": str(d)})
+    runner = llm.engine.runner
+    runner.enable_graphs(capture=False, batch_sizes=[2, 4, 8], buckets=[64, 128])
+    G = runner.graphs
+    q = G.q
+    eng = llm.engine
+    ids = [eng.add_request(p, GREEDY) for p in prompts]
+    reqs = [eng.requests[i] for i in ids]
+    short, long_ = ScheduledRequest(reqs[0], 3, 0), ScheduledRequest(reqs[2], 26, 0)
+    assert G.row_counts([short, long_]) == [1, -(-26 // q)]
+    assert G.covers_prefill([short]) and G.covers_prefill([short, long_]) == (1 + -(-26 // q) <= 8)
+    assert not G.covers_prefill([ScheduledRequest(reqs[2], 26, 0)] * 2)  # 2 x 6 rows > 8
+    G.prefill_rows = 0
+    assert not G.covers_prefill([short])
