@@ -348,12 +348,13 @@ class StepGraphs:
         n = np.fromiter((s.num_tokens for s in scheduled), np.int64, B)
         st = np.asarray(starts, dtype=np.int64)
         prefill = None
-        counts = self.row_counts(scheduled)
-        if any(c > 1 for c in counts) or not all(self._decode_row(s) for s in scheduled):
+        is_prefill = [not self._decode_row(s) for s in scheduled]
+        if any(is_prefill):
             # prefill rows: request b's chunk becomes counts[b] rows of q tokens (the last one partial)
+            counts = self.row_counts(scheduled)
             rep = np.repeat(np.arange(B), counts)
             k = np.arange(len(rep)) - np.repeat(np.cumsum(counts) - counts, counts)  # row index within its request
-            prefill = np.repeat([not self._decode_row(s) for s in scheduled], counts)
+            prefill = np.repeat(is_prefill, counts)
             st = st[rep] + q * k
             n = np.minimum(q, n[rep] - q * k)
             tables = [tables[b] for b in rep]

@@ -361,7 +361,7 @@ class ModelRunner:
         counts = G.row_counts(scheduled)
         row_of = (np.cumsum(counts) - 1).tolist()
         R = row_of[-1] + 1  # graph rows in use
-        prefill = [b for b, s in enumerate(scheduled) if counts[b] > 1 or not G._decode_row(s)]
+        prefill = [b for b, s in enumerate(scheduled) if not G._decode_row(s)]
         Bg, bucket = G.prepare_target(scheduled, ids, starts, tables, ntok)
         drafting = [b for b, s in enumerate(scheduled) if s.samples]
         prob = [self.spec is not None and self.spec.draft_sample_method == "probabilistic" and not r.params.greedy
@@ -416,9 +416,8 @@ class ModelRunner:
         G.stats["one_sync"] += 1
         if prev is not None:
             G.stats["async"] += 1
-        rows = (row_of, R) if prefill else (None, None)
         return InflightStep(list(scheduled), out, hb, done, ev, t0, n_out=n_out, anchors=anchors, drafts=drafts,
-                            draft_q=draft_q, prob=prob, rows=rows[0], num_rows=rows[1])
+                            draft_q=draft_q, prob=prob, rows=row_of if prefill else None, num_rows=R)
 
     def _prefill_outcome(self, scheduled, prefill: list[int], counts: list[int], row_of: list[int], am: torch.Tensor,
                          logits: torch.Tensor, out: torch.Tensor, n_out: torch.Tensor, sampled_pre: list[int],
