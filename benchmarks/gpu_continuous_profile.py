@@ -128,9 +128,13 @@ def profile_system(llm: LLM, prompts: list[list[int]], batch: int, max_tokens: i
                        "rows_per_call": round(st["rows"] / k, 2), "verify_rows_per_call": round(st["verify_rows"] / k, 2),
                        "prefill_tokens": int(st["prefill_tokens"])}
     calls = sum(v["calls"] for v in kinds.values())
+    _OUTPUTS[(id(llm), sync)] = [list(o.token_ids) for o in outs]
     return {"sync": sync, "tokens": n, "wall_s": round(wall, 3), "tok_s": round(n / wall, 1), "step_calls": calls,
             "ms_per_call": round(1e3 * wall / max(calls, 1), 3),
             "step_share": round(sum(v["total_s"] for v in kinds.values()) / wall, 3), "kinds": kinds}
+
+
+_OUTPUTS: dict = {}  # (id(llm), sync) -> token ids per prompt, for the cross-system agreement count
 
 
 def main() -> None:
@@ -155,6 +159,7 @@ def main() -> None:
                  "batch": a.batch, "prompts": a.prompts, "max_tokens": a.max_tokens}
     texts = heldout_prompts(a.prompts, a.prompt_source)
     spec = json.loads(a.speculative_config)
+    tokens: dict[str, list[list[int]]] = {}
     systems = {"plain": (None, 512), "dspark": (spec, 512), "dspark-eager-prefill": (spec, 0)}
     for name in a.systems.split(","):
         spec, prefill_tokens = systems[name]
@@ -168,6 +173,10 @@ def main() -> None:
                "synced": profile_system(llm, prompts, a.batch, a.max_tokens, sync=True)}
         if spec:
             row["tau"] = round(llm.engine.spec_stats.tau, 3)
+        tokens[name] = _OUTPUTS.pop((id(llm), False))
+        _OUTPUTS.pop((id(llm), True), None)
+        row["identical_to"] = {other: sum(a_ == b_ for a_, b_ in zip(tokens[name], t)) for other, t in tokens.items()
+                               if other != name}  # of a.prompts; bf16 near-ties may split them (docs/benchmarks.md)
         res[name] = row
         print(name, json.dumps(row, indent=1), flush=True)
         (out / "continuous_profile.json").write_text(json.dumps(res, indent=1))
