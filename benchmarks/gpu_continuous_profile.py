@@ -7,7 +7,8 @@ plain (4.0 ms per step against 2.1 ms in static waves), although mixed prefill +
 now run as a graph sub-step plus an eager prefill sub-step (ModelRunner._split).
 
 Every ``engine.step()`` call is filed under what it ran: a synchronous ``runner.execute``, classified as
-  graph   decode / verification rows only, on the CUDA graphs (runner.graphs.covers);
+  graph   decode / verification rows only, on the CUDA graphs (runner.graphs.covers), verified on the
+          device (runner._one_sync); graph_host: the same, verified / sampled on the host;
   graph_prefill  prefill chunks as q-token rows of a one-sync graph step (runner._graph_prefill);
   split   a mixed step run as a graph sub-step + an eager sub-step (runner._split);
   eager   anything else (a prefill alone, or a step the graphs cannot take);
@@ -42,7 +43,7 @@ from dspark import LLM, SamplingParams  # noqa: E402
 
 def classify(runner, scheduled) -> str:
     if runner.graphs is not None and runner.graphs.covers(scheduled):
-        return "graph"
+        return "graph" if runner._one_sync(scheduled) else "graph_host"
     if runner._graph_prefill(scheduled):
         return "graph_prefill"
     if runner._split(scheduled):
@@ -55,7 +56,8 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def profile_system(llm: LLM, prompts: list[list[int]], batch: int, max_tokens: int, sync: bool) -> dict:
+def profile_system(llm: LLM, prompts: list[list[int]], batch: int, max_tokens: int, sync: bool,
+                   temperature: float = 0.0) -> dict:
     """Every ``engine.step()`` is timed (device-synchronised before and after when ``sync``) and filed under
     what it ran: ``execute:graph|split|eager`` (a synchronous step, classified), ``launch_spec`` /
     ``launch`` (a DSpark / plain step launched for async scheduling; its tokens are read back in the next
@@ -110,7 +112,7 @@ def profile_system(llm: LLM, prompts: list[list[int]], batch: int, max_tokens: i
     runner.execute, runner.launch_one_sync, runner.launch = execute, launch_one_sync, launch
     engine.step = step
     try:
-        p = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        p = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True)
         _sync()
         t0 = time.perf_counter()
         outs = llm.generate(prompts, p)
@@ -145,6 +147,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--prompts", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--speculative-config", default='{"method": "dspark"}')
     ap.add_argument("--device", default="cuda", help="cuda; cpu for a smoke run (fp32, tiny sizes)")
     ap.add_argument("--systems", default="plain,dspark",
@@ -156,7 +159,7 @@ def main() -> None:
     from dspark.train.data import heldout_prompts
 
     res: dict = {"gpu": torch.cuda.get_device_name() if a.device == "cuda" else "cpu", "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-                 "batch": a.batch, "prompts": a.prompts, "max_tokens": a.max_tokens}
+                 "batch": a.batch, "prompts": a.prompts, "max_tokens": a.max_tokens, "temperature": a.temperature}
     texts = heldout_prompts(a.prompts, a.prompt_source)
     spec = json.loads(a.speculative_config)
     tokens: dict[str, list[list[int]]] = {}
@@ -168,9 +171,9 @@ def main() -> None:
                   max_num_seqs=a.batch, kv_cache_memory_gb=16 if cuda else 0.5, enable_prefix_caching=False,
                   speculative_config=spec, graph_prefill_tokens=prefill_tokens)
         prompts = [llm.engine.tokenize_chat([{"role": "user", "content": t}]) for t in texts]
-        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True))  # warm-up
-        row = {"async": profile_system(llm, prompts, a.batch, a.max_tokens, sync=False),
-               "synced": profile_system(llm, prompts, a.batch, a.max_tokens, sync=True)}
+        llm.generate(prompts, SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens, ignore_eos=True))  # warm-up
+        row = {"async": profile_system(llm, prompts, a.batch, a.max_tokens, sync=False, temperature=a.temperature),
+               "synced": profile_system(llm, prompts, a.batch, a.max_tokens, sync=True, temperature=a.temperature)}
         if spec:
             row["tau"] = round(llm.engine.spec_stats.tau, 3)
         tokens[name] = _OUTPUTS.pop((id(llm), False))
