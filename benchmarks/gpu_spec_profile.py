@@ -29,13 +29,16 @@ out_dir.mkdir(parents=True, exist_ok=True)
 target = smol_checkpoint()
 llm = LLM(str(target), device="cuda", dtype="bfloat16", max_model_len=2048, max_num_seqs=32,
           attention_backend="triton", kv_cache_memory_gb=4, enable_prefix_caching=False,
-          speculative_config={"model": str(shipped_drafter("smollm2-135m-instruct"))})
+          speculative_config={"model": str(shipped_drafter("smollm2-135m-instruct")),
+                              "draft_sample_method": "probabilistic"})  # as the shipped config drafts
 engine, runner = llm.engine, llm.engine.runner
 PHASES = []
 
 
 def wrap(obj, name: str, label: str) -> None:
-    fn = getattr(obj, name)
+    fn = getattr(obj, name, None)
+    if fn is None:  # a phase of an older runner
+        return
 
     def wrapped(*a, **k):
         with record_function(label):
@@ -55,6 +58,13 @@ wrap(runner, "_draft", "phase:runner._draft")
 wrap(runner.graphs, "replay_target", "phase:graphs.replay_target")
 wrap(runner.graphs, "run_draft", "phase:graphs.run_draft")
 wrap(runner.graphs, "upload", "phase:graphs.upload")
+wrap(runner, "launch_one_sync", "phase:runner.launch_one_sync")
+wrap(runner, "finish_one_sync", "phase:runner.finish_one_sync")
+wrap(runner, "_verify_sampled", "phase:runner._verify_sampled")
+wrap(runner.graphs, "prepare_target", "phase:graphs.prepare_target")
+wrap(runner.graphs, "prepare_draft", "phase:graphs.prepare_draft")
+wrap(runner.graphs, "replay_draft", "phase:graphs.replay_draft")
+wrap(runner.graphs, "drafter_inputs_on_device", "phase:graphs.drafter_inputs_on_device")
 wrap(runner_mod, "compute_probs", "phase:compute_probs")
 res = {}
 for T in (1.0, 0.0):  # T = 1 first: the question (a session-12 run timed out after the greedy half)
