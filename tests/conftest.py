@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,9 @@ from dspark.layers.attention import BatchLayout
 from dspark.sampling_params import SamplingParams
 
 TINY_ARCHS = ("llama", "qwen2", "qwen3")
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs pytest-xdist workers: the cores are shared out among them
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
 
 def _single_thread():

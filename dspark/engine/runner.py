@@ -369,17 +369,23 @@ class ModelRunner:
         if G.draft_graphs:
             G.prepare_draft(Bg, [row_of[b] for b in drafting], [reqs[b].params for b in drafting],
                             [as_int64(reqs[b].seed) for b in drafting], [prob[b] for b in drafting])
-        pre = set(prefill)
-        # never with ``prev`` (can_launch_spec); a sampled prefill chunk draws its first token with the Sampler
+        pre = set(prefill)  # never with ``prev``; a sampled prefill chunk draws its first token with the Sampler
         sampled = [b for b, r in enumerate(reqs) if not r.params.greedy and b not in pre]
         sampled_pre = [b for b in prefill if not reqs[b].params.greedy and scheduled[b].samples]
         # the sampled requests' target distributions: settings, seeds and positions as _verify builds them
+        # (positions: num_tokens once prev is applied, i.e. + prev.n_out, added on the device below)
         batch = self._sampling_batch([reqs[b] for b in sampled], [reqs[b].num_tokens for b in sampled]) if sampled else None
         batch_pre = (self._sampling_batch([reqs[b] for b in sampled_pre], [reqs[b].num_tokens for b in sampled_pre])
                      if sampled_pre else None)
         G.upload(Bg)
+        prev_q = None
         if prev is not None:
             G.rows_from_previous_step(B, prev.n_out - q, prev.anchors, prev.drafts)
+            if sampled:
+                idx = slice(None) if sampled == list(range(B)) else self._index(sampled)
+                batch.positions = batch.positions + prev.n_out[idx]
+                # the q of the drafts this step verifies: prev's proposal, row for row (one-hot if greedy drafts)
+                prev_q = prev.draft_q[idx] if prev.draft_q is not None else None
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)] if self.device.type == "cuda" else None
         if ev:
             ev[0].record()
@@ -391,7 +397,8 @@ class ModelRunner:
             out, n_out = verify_greedy(am, drafts_in, G.num_drafts[:R])
             if sampled:
                 out, n_out = self._verify_sampled([reqs[b] for b in sampled], [row_of[b] for b in sampled], logits,
-                                                  drafts_in, G.num_drafts[:R], batch, out, n_out)
+                                                  drafts_in, G.num_drafts[:R], batch, out, n_out,
+                                                  prev_q if prev is not None else None, prev is not None)
             if prefill:
                 out, n_out, commit = self._prefill_outcome(scheduled, prefill, counts, row_of, am, logits, out, n_out,
                                                            sampled_pre, batch_pre)
@@ -501,10 +508,14 @@ class ModelRunner:
 
     def can_launch_spec(self, requests: list[Request]) -> bool:
         """Whether one-sync steps of these requests can be launched on top of each other (async
-        scheduling with DSpark): drafter graphs, every request greedy with nothing but the argmax
-        needed (no penalties, no logprobs)."""
+        scheduling with DSpark): drafter graphs, every request verified on the device (_one_sync_params:
+        no penalties, no logprobs; a sampled one only with ``one_sync_sampled``). A sampled step launched
+        on top of another takes its keys' positions and its drafts' q from that step on the device
+        (launch_one_sync)."""
         return (self.config.async_scheduling and self.graphs is not None and self.graphs.draft_graphs
-                and 0 < len(requests) <= self.graphs.max_batch and all(r.params.greedy_plain for r in requests))
+                and 0 < len(requests) <= self.graphs.max_batch
+                and all(r.params.greedy_plain or (self.one_sync_sampled and self.graphs.q > 1
+                                                  and _one_sync_params(r.params)) for r in requests))
 
     # ------------------------------------------------------------------ async scheduling
     def can_launch_async(self, requests: list[Request]) -> bool:
@@ -576,15 +587,17 @@ class ModelRunner:
     def _num_drafts(self, r: Request, num_emitted: int) -> int:
         """How many drafts request r gets after emitting num_emitted tokens this step (0: none).
 
-        Near max_tokens a sampled request gets only the drafts its remaining tokens can use (with more,
-        its last tokens would be other, equally valid, samples than a seed gives today; extending the
-        rule below to sampled requests is left for a measured change). A greedy request
-        (``SamplingParams.greedy_plain``) keeps full blocks to the end (while it still has tokens to emit): every
-        token it emits is the target's argmax whatever the drafts, and Scheduler.update stops at
-        max_tokens, so the surplus is dropped. That keeps its steps full verification blocks, which
-        async scheduling can pipeline (LLMEngine._launchable_spec, Scheduler.can_continue_spec):
-        otherwise, in continuous batching at B = 32 some request is nearly always within a few steps
-        of its end and every step of the batch ran synchronously."""
+        A request verified on the device (_one_sync_params: no penalties, no logprobs) keeps full blocks to
+        the end (while it still has tokens to emit), and Scheduler.update stops at max_tokens, so the
+        surplus is dropped. A greedy request's tokens are the target's argmax chain whatever the drafts;
+        a sampled one's are exact samples either way, but near max_tokens a different exact sample than
+        with only the drafts its remaining tokens can use (the rule before session 17): the tokens
+        before the last block's end are decided by the same keys, the last one may be a verified draft
+        where it was a bonus draw. Full blocks keep its steps verification blocks that async scheduling
+        can pipeline (LLMEngine._launchable_spec, Scheduler.can_continue_spec): otherwise, in continuous
+        batching at B = 32 some request is nearly always within a few steps of its end and every step
+        of the batch ran synchronously. Requests with logprobs get only the drafts they can use.
+        """
         if not spec_eligible(r):
             return 0
         new_len = r.num_tokens + num_emitted
@@ -592,7 +605,7 @@ class ModelRunner:
         n = min(self.num_spec_tokens, self.config.max_model_len - new_len)
         if left <= 0:
             return 0
-        return n if r.params.greedy_plain else min(n, left - 1)
+        return n if _one_sync_params(r.params) else min(n, left - 1)
 
     # ------------------------------------------------------------------ verification
     def _verify(self, verifying, logits: torch.Tensor, offset: dict[int, int], result: StepResult) -> None:
@@ -677,17 +690,25 @@ class ModelRunner:
         return q
 
     def _verify_sampled(self, sreqs: list[Request], rows: list[int], logits: torch.Tensor, drafts: torch.Tensor,
-                        num_drafts: torch.Tensor, batch: SamplingBatch, out: torch.Tensor,
-                        n_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                        num_drafts: torch.Tensor, batch: SamplingBatch, out: torch.Tensor, n_out: torch.Tensor,
+                        prev_q: torch.Tensor | None = None, on_prev: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """A one-sync step's sampled requests ``sreqs`` (at graph rows ``rows``), verified on the device
         exactly as _verify verifies them (the same target distributions, q, keys and kernel: the same
-        tokens), merged into the greedy verification of the whole batch (``out``, ``n_out``)."""
+        tokens), merged into the greedy verification of the whole batch (``out``, ``n_out``).
+        ``on_prev``: the step was launched on top of another, whose proposal the drafts come from; the
+        host has not read it, so their q is ``prev_q`` (its rows of the sampled requests, in order), or
+        one-hot when it drafted greedily (None)."""
         V, q = logits.shape[-1], logits.shape[1]
         whole = rows == list(range(out.shape[0]))
         idx = slice(None) if whole else self._index(rows)
         probs = compute_probs(logits[idx].reshape(-1, V), batch.repeat_rows(q)).view(-1, q, V)
         d = drafts[idx]
-        dq = self._draft_q(sreqs, d, q - 1, V)
+        if not on_prev:
+            dq = self._draft_q(sreqs, d, q - 1, V)
+        elif prev_q is not None:
+            dq = prev_q[:, :q - 1]
+        else:
+            dq = torch.zeros(d.shape[0], q - 1, V, device=d.device).scatter_(2, d.unsqueeze(-1), 1.0)
         args = (probs, d, dq, num_drafts[idx], batch.seeds, batch.positions)
         method = self.spec.rejection_sample_method
         o, n = self._verify_standard(*args) if method == "standard" else verify_probabilistic(*args, method)

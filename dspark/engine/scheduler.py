@@ -213,7 +213,7 @@ class Scheduler:
         """``can_continue`` for a DSpark verification step in flight (every request verifying q - 1
         drafts, its tokens not yet applied): whether the same requests can verify a full block again
         on top of it (ModelRunner.launch_one_sync with ``prev``): nobody to admit, the same running
-        requests in order, everybody far enough from max_model_len (and a sampled request from
+        requests in order, everybody far enough from max_model_len (and a request with logprobs from
         max_tokens) that the step in flight and the next one leave it a full block of drafts (3q tokens
         of margin), and KV blocks for the worst case (``reserve_spec``) without preempting. No side
         effects."""
@@ -225,10 +225,11 @@ class Scheduler:
         for s, req in zip(out.scheduled, self.running):
             if s.request is not req or s.num_tokens != q or req.num_pending:
                 return False
-            # a greedy request keeps full blocks to max_tokens (ModelRunner._num_drafts); a token past it
-            # is dropped by update
+            # a request verified on the device (no logprobs, no penalties) keeps full blocks to max_tokens
+            # (ModelRunner._num_drafts); a token past it is dropped by update
             near_max_tokens = req.num_output_tokens + 3 * q >= req.params.max_tokens
-            if ((near_max_tokens and not req.params.greedy_plain)
+            full_blocks = req.params.logprobs is None and not req.params.penalized
+            if ((near_max_tokens and not full_blocks)
                     or req.num_tokens + 3 * q >= self.config.max_model_len):
                 return False
             need += max(0, self.kv.blocks_needed(req.num_computed_tokens + 2 * q)

@@ -62,13 +62,29 @@ def test_one_sync_sampled_steps_match_the_host_path(spec_pair, prompts, case, sp
     assert not llm.engine.runner.draft_probs and not ref.engine.runner.draft_probs  # released at the end
 
 
-def test_sampled_request_without_drafts_stays_on_the_host_path(spec_pair, prompts):
-    """max_tokens leaves no room for drafts near the end: those steps sample through the Sampler (its
-    own key stream), so they must not be one-sync steps; the tokens still equal the reference's."""
-    reqs = [(prompts[0], SamplingParams(temperature=1.0, seed=4, max_tokens=7, ignore_eos=True))]
-    want, _, _ = _drive(_llm(spec_pair, False), reqs)
-    got, _, _ = _drive(_llm(spec_pair, True), reqs)
+def test_sampled_requests_pipeline_full_blocks_up_to_max_tokens(spec_pair, prompts):
+    """A sampled request keeps full verification blocks up to max_tokens (ModelRunner._num_drafts), so
+    with async scheduling its one-sync steps are launched on top of each other (the keys' positions and
+    the drafts' q taken from the step in flight on the device) right to the end: the tokens equal the
+    host path's (synchronous, one step at a time), every output stops exactly at max_tokens, and no
+    verification step fell back to the Sampler."""
+    params = [SamplingParams(temperature=t, seed=s, max_tokens=n, ignore_eos=True)
+              for t, s, n in ((0.3, 4, 7), (0.5, 6, 23), (1.0, 8, 16))]
+    reqs = list(zip(prompts, params))
+    ref = _llm(spec_pair, False)
+    want, _, _ = _drive(ref, reqs)
+    llm = _llm(spec_pair, True)
+    got, _, inflight = _drive(llm, reqs)
     assert _summary(got) == _summary(want)
+    assert [len(got[f"req-{i}"].token_ids) for i in range(3)] == [7, 23, 16]
+    st, ref_st = llm.engine.spec_stats, ref.engine.spec_stats
+    assert (st.num_drafts, st.num_accepted) == (ref_st.num_drafts, ref_st.num_accepted)
+    g = llm.engine.runner.graphs
+    assert g.stats["async"] >= 3 and sum(inflight) >= g.stats["async"]  # launched on top of each other
+    assert ref.engine.runner.graphs.stats["async"] == 0
+    assert st.num_drafts == 4 * st.num_steps  # every verification step a full block (q = 5)
+    assert not llm.engine.runner.draft_probs
+    llm.engine.kv.check_integrity()
 
 
 def test_draft_q_shares_the_proposal_when_rows_are_in_order():
