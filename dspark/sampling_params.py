@@ -62,7 +62,14 @@ class SamplingParams:
     def greedy_plain(self) -> bool:
         """Greedy and needing nothing from the logits but their argmax (no penalties, no logprobs): its
         tokens are the target's argmax chain whatever speculation drafts (ModelRunner._num_drafts)."""
-        return self.greedy and self.logprobs is None and not self.penalized
+        return self.greedy and self.device_verifiable
+
+    @property
+    def device_verifiable(self) -> bool:
+        """No penalties (they count output tokens the host would have to upload) and no logprobs (read
+        from the logits on the host): DSpark can verify its drafts on the device, in one-sync steps
+        launched on top of each other, with full blocks to max_tokens (ModelRunner._num_drafts)."""
+        return self.logprobs is None and not self.penalized
 
     def validate(self) -> None:
         def num(name: str, v: Any, kind: type) -> None:

@@ -80,9 +80,8 @@ def make_attention_backend(name: str, device: torch.device, batch_invariant: boo
 
 
 def _one_sync_params(p) -> bool:
-    """A request a one-sync DSpark step can verify on the device: no penalties (they count output tokens
-    the host would have to upload) and no logprobs (read from the logits on the host)."""
-    return p.logprobs is None and not p.penalized
+    """A request a one-sync DSpark step can verify on the device (SamplingParams.device_verifiable)."""
+    return p.device_verifiable
 
 
 def spec_eligible(req: Request) -> bool:
@@ -378,14 +377,15 @@ class ModelRunner:
         batch_pre = (self._sampling_batch([reqs[b] for b in sampled_pre], [reqs[b].num_tokens for b in sampled_pre])
                      if sampled_pre else None)
         G.upload(Bg)
-        prev_q = None
+        dq = None  # the sampled requests' q of their drafts: from draft_probs, unless prev is in flight
         if prev is not None:
             G.rows_from_previous_step(B, prev.n_out - q, prev.anchors, prev.drafts)
-            if sampled:
+            if sampled:  # prev's rows of the sampled requests, in order: the host has not read it yet
                 idx = slice(None) if sampled == list(range(B)) else self._index(sampled)
                 batch.positions = batch.positions + prev.n_out[idx]
-                # the q of the drafts this step verifies: prev's proposal, row for row (one-hot if greedy drafts)
-                prev_q = prev.draft_q[idx] if prev.draft_q is not None else None
+                d = prev.drafts[idx]
+                dq = (prev.draft_q[idx] if prev.draft_q is not None  # else drafted greedily: one-hot
+                      else torch.zeros(*d.shape, self.vocab_size, device=d.device).scatter_(2, d.unsqueeze(-1), 1.0))
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)] if self.device.type == "cuda" else None
         if ev:
             ev[0].record()
@@ -397,8 +397,7 @@ class ModelRunner:
             out, n_out = verify_greedy(am, drafts_in, G.num_drafts[:R])
             if sampled:
                 out, n_out = self._verify_sampled([reqs[b] for b in sampled], [row_of[b] for b in sampled], logits,
-                                                  drafts_in, G.num_drafts[:R], batch, out, n_out,
-                                                  prev_q if prev is not None else None, prev is not None)
+                                                  drafts_in, G.num_drafts[:R], batch, out, n_out, dq)
             if prefill:
                 out, n_out, commit = self._prefill_outcome(scheduled, prefill, counts, row_of, am, logits, out, n_out,
                                                            sampled_pre, batch_pre)
@@ -691,24 +690,18 @@ class ModelRunner:
 
     def _verify_sampled(self, sreqs: list[Request], rows: list[int], logits: torch.Tensor, drafts: torch.Tensor,
                         num_drafts: torch.Tensor, batch: SamplingBatch, out: torch.Tensor, n_out: torch.Tensor,
-                        prev_q: torch.Tensor | None = None, on_prev: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                        dq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """A one-sync step's sampled requests ``sreqs`` (at graph rows ``rows``), verified on the device
         exactly as _verify verifies them (the same target distributions, q, keys and kernel: the same
         tokens), merged into the greedy verification of the whole batch (``out``, ``n_out``).
-        ``on_prev``: the step was launched on top of another, whose proposal the drafts come from; the
-        host has not read it, so their q is ``prev_q`` (its rows of the sampled requests, in order), or
-        one-hot when it drafted greedily (None)."""
+        ``dq`` [S, >= q - 1, V]: the drafts' q when the step was launched on top of the one that proposed
+        them (the host has not read it: launch_one_sync takes it from that step); otherwise _draft_q."""
         V, q = logits.shape[-1], logits.shape[1]
         whole = rows == list(range(out.shape[0]))
         idx = slice(None) if whole else self._index(rows)
         probs = compute_probs(logits[idx].reshape(-1, V), batch.repeat_rows(q)).view(-1, q, V)
         d = drafts[idx]
-        if not on_prev:
-            dq = self._draft_q(sreqs, d, q - 1, V)
-        elif prev_q is not None:
-            dq = prev_q[:, :q - 1]
-        else:
-            dq = torch.zeros(d.shape[0], q - 1, V, device=d.device).scatter_(2, d.unsqueeze(-1), 1.0)
+        dq = self._draft_q(sreqs, d, q - 1, V) if dq is None else dq[:, :q - 1]
         args = (probs, d, dq, num_drafts[idx], batch.seeds, batch.positions)
         method = self.spec.rejection_sample_method
         o, n = self._verify_standard(*args) if method == "standard" else verify_probabilistic(*args, method)

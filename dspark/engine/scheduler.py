@@ -228,8 +228,7 @@ class Scheduler:
             # a request verified on the device (no logprobs, no penalties) keeps full blocks to max_tokens
             # (ModelRunner._num_drafts); a token past it is dropped by update
             near_max_tokens = req.num_output_tokens + 3 * q >= req.params.max_tokens
-            full_blocks = req.params.logprobs is None and not req.params.penalized
-            if ((near_max_tokens and not full_blocks)
+            if ((near_max_tokens and not req.params.device_verifiable)
                     or req.num_tokens + 3 * q >= self.config.max_model_len):
                 return False
             need += max(0, self.kv.blocks_needed(req.num_computed_tokens + 2 * q)
