@@ -84,6 +84,11 @@ def _one_sync_params(p) -> bool:
     return p.device_verifiable
 
 
+def _one_hot_q(drafts: torch.Tensor, V: int) -> torch.Tensor:
+    """[..., V] fp32 q of drafts drawn greedily: one-hot at each draft token."""
+    return torch.zeros(*drafts.shape, V, device=drafts.device).scatter_(-1, drafts.unsqueeze(-1), 1.0)
+
+
 def spec_eligible(req: Request) -> bool:
     """Penalties make the target's distribution depend on the drafts themselves: such requests
     decode without speculation."""
@@ -385,7 +390,7 @@ class ModelRunner:
                 batch.positions = batch.positions + prev.n_out[idx]
                 d = prev.drafts[idx]
                 dq = (prev.draft_q[idx] if prev.draft_q is not None  # else drafted greedily: one-hot
-                      else torch.zeros(*d.shape, self.vocab_size, device=d.device).scatter_(2, d.unsqueeze(-1), 1.0))
+                      else _one_hot_q(d, self.vocab_size))
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)] if self.device.type == "cuda" else None
         if ev:
             ev[0].record()
@@ -685,7 +690,7 @@ class ModelRunner:
             q[self._index(js), :n] = src[self._index(rows).to(src.device), :n]
         if one_hot:
             oh = self._index(one_hot)
-            q[oh] = torch.zeros(len(one_hot), N, V, device=dev).scatter_(2, drafts[oh].unsqueeze(-1), 1.0)
+            q[oh] = _one_hot_q(drafts[oh], V)
         return q
 
     def _verify_sampled(self, sreqs: list[Request], rows: list[int], logits: torch.Tensor, drafts: torch.Tensor,
