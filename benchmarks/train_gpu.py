@@ -74,6 +74,8 @@ def main() -> int:
                    help="regeneration sampling: deepspec (default), t1, or a JSON object (dspark.train.data.gen_sampling)")
     g.add_argument("--gen-passes", type=int, default=1,
                    help="queue the training prompts this many times (new seeds: new responses per pass)")
+    g.add_argument("--gen-shard", default="0/1",
+                   help="K/N: regenerate every N-th request from the K-th (N processes side by side; build_datasets)")
     g.add_argument("--extra-data", default=None,
                    help="comma-separated token files from earlier sessions, trained on together with this one's")
     t = p.add_argument_group("training")
@@ -132,10 +134,11 @@ def main() -> int:
             max_tokens=a.gen_max_tokens, max_prompt_tokens=a.max_prompt_tokens, device=a.device,
             time_budget_s=a.gen_budget_s, max_num_seqs=a.gen_max_num_seqs, kv_cache_memory_gb=a.gen_kv_cache_gb,
             prompt_source=a.prompt_source, prompt_offset=a.prompt_offset, passes=a.gen_passes,
-            sampling=a.gen_sampling)
+            sampling=a.gen_sampling, shard=tuple(int(x) for x in a.gen_shard.split("/")))
         gen_summary.write_text(json.dumps(gen, indent=2))
         log(f"generated {gen['generated_tokens']} tokens ({gen['generated_tokens_per_s']:.0f} tok/s): "
-            f"{gen['train']['num_sequences']} training and {gen['heldout']['num_sequences']} held-out sequences")
+            f"{gen['train']['num_sequences']} training and {gen.get('heldout', {}).get('num_sequences', 0)} "
+            "held-out sequences")
         free()
     if gen_summary.is_file():
         summary["generation"] = json.loads(gen_summary.read_text())

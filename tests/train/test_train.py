@@ -335,6 +335,33 @@ def test_generation_passes_sample_new_responses_to_the_same_prompts(target, tmp_
                                 max_prompt_tokens=16, device="cpu", prompt_source=str(src), passes=0)
 
 
+def test_sharded_regeneration_splits_the_unsharded_requests(target, tmp_path, monkeypatch):
+    """shard=(k, n): n processes regenerate between them exactly the unsharded run's requests (same
+    prompts, same seeds, so the same responses); only shard 0 writes the held-out file."""
+    src = tmp_path / "split.json"
+    src.write_text(json.dumps({"train": ["a", "b", "c", "d", "e"], "heldout": ["h", "i"]}))
+    monkeypatch.setattr(data_mod, "chat_prompt_ids",
+                        lambda engine, texts, n: [[5 + ord(t[0]) % 50, 6, 7, 8] for t in texts])
+    kw = dict(num_prompts=5, num_heldout_prompts=2, max_tokens=10, max_prompt_tokens=16, device="cpu",
+              prompt_source=str(src), passes=2, sampling="t1")
+
+    def seqs(path):
+        d = TokenData.load(path)
+        return [d.sequence(i)[0].tolist() for i in range(len(d))]
+
+    data_mod.build_datasets(str(target), tmp_path / "all.st", tmp_path / "all-ho.st", **kw)
+    for k in range(3):
+        s = data_mod.build_datasets(str(target), tmp_path / f"s{k}.st", tmp_path / f"s{k}-ho.st", shard=(k, 3), **kw)
+        assert s["train"]["shard"] == [k, 3]
+        assert (tmp_path / f"s{k}-ho.st").is_file() == (k == 0)
+    whole = seqs(tmp_path / "all.st")
+    assert len(whole) == 10 and len(set(map(tuple, whole))) == 10
+    assert [seqs(tmp_path / f"s{k}.st") for k in range(3)] == [whole[k::3] for k in range(3)]
+    assert seqs(tmp_path / "s0-ho.st") == seqs(tmp_path / "all-ho.st")
+    with pytest.raises(ValueError, match="shard"):
+        data_mod.build_datasets(str(target), tmp_path / "x.st", None, shard=(3, 3), **kw)
+
+
 def test_regeneration_sampling_presets_and_json(target, tmp_path, monkeypatch):
     """--gen-sampling: the settings reach every request and the token file's meta; temperature 0 gives
     the target's greedy continuations; bad specs name the problem."""
