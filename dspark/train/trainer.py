@@ -184,7 +184,10 @@ class Trainer:
         first, each new layer keeps its random init but with its two residual-branch outputs (o_proj,
         down_proj) zeroed, so it starts as the identity and the grown drafter drafts exactly as the
         trained one did (the context K/V of every layer come from the shared fc(taps), not from the
-        layer below). The optimizer starts fresh."""
+        layer below). It may also have another block size: no parameter depends on it (a block's rows
+        are the anchor token and mask tokens, told apart by their RoPE positions only), so a drafter
+        trained at block 5 starts a block-7 run with all its weights and learns the new slots.
+        The optimizer starts fresh."""
         from safetensors.torch import load_file
 
         from dspark.train.checkpoint import drafter_state_dict
@@ -194,10 +197,12 @@ class Trainer:
             raise ValueError(f"init_from {path!r}: no config.json there")
         theirs = DrafterConfig.from_dict(json.loads((p / "config.json").read_text()))
         diff = {k: (getattr(theirs, k), getattr(dc, k)) for k in asdict(dc) if getattr(theirs, k) != getattr(dc, k)}
-        grow = set(diff) == {"num_hidden_layers"} and theirs.num_hidden_layers < dc.num_hidden_layers
-        if diff and not grow:
+        grow = "num_hidden_layers" in diff and theirs.num_hidden_layers < dc.num_hidden_layers
+        allowed = {"block_size"} | ({"num_hidden_layers"} if grow else set())
+        if set(diff) - allowed:
             raise ValueError(f"init_from {path!r}: its config differs from this run's (theirs, ours): {diff}"
-                             + (" (only growing the number of layers is supported)" if "num_hidden_layers" in diff else ""))
+                             + (" (only growing the number of layers is supported)" if "num_hidden_layers" in diff else "")
+                             + " (the block size may differ)")
         sd: dict[str, torch.Tensor] = {}
         for f in sorted(p.glob("*.safetensors")):
             sd.update(load_file(str(f)))
@@ -213,6 +218,8 @@ class Trainer:
         if grow:
             print(f"[train] grown from {path}: layers 0-{theirs.num_hidden_layers - 1} trained, "
                   f"{theirs.num_hidden_layers}-{dc.num_hidden_layers - 1} new (identity at start)", flush=True)
+        if "block_size" in diff:
+            print(f"[train] block size {theirs.block_size} -> {dc.block_size} (weights of {path} unchanged)", flush=True)
 
     # ------------------------------------------------------------------ one step
     def _step_generator(self, step: int) -> torch.Generator:

@@ -489,9 +489,24 @@ def test_init_from_a_trained_drafter(target, token_files, tmp_path):
     assert all(p.requires_grad for p in again.params) and len(again.params) == len(first.params)
     again.train()
     assert not torch.equal(drafter_state_dict(again.drafter)["fc.weight"], want["fc.weight"])
-    with pytest.raises(ValueError, match="block_size"):
-        Trainer(_cfg(target, token_files, tmp_path / "c", block_size=3, eval_data=None,
+    with pytest.raises(ValueError, match="markov_rank"):
+        Trainer(_cfg(target, token_files, tmp_path / "c", markov_rank=4, eval_data=None,
                      init_from=str(tmp_path / "a" / "drafter")))
+
+
+def test_init_from_another_block_size(target, token_files, tmp_path):
+    """A drafter trained at one block size starts a run at another (no parameter depends on it): every
+    tensor carried over, the new run drafts and labels its own block size, and the export says so."""
+    first = Trainer(_cfg(target, token_files, tmp_path / "a", steps=4, eval_data=None, block_size=3))
+    first.train()
+    longer = Trainer(_cfg(target, token_files, tmp_path / "b", steps=2, eval_data=None, block_size=5,
+                          init_from=str(tmp_path / "a" / "drafter")))
+    want, got = drafter_state_dict(first.drafter), drafter_state_dict(longer.drafter)
+    assert set(want) == set(got) and all(torch.equal(want[k], got[k]) for k in want)
+    with torch.no_grad():
+        assert len(first._train_loss(0).accept) == 3 and len(longer._train_loss(0).accept) == 5
+    longer.train()
+    assert json.loads((tmp_path / "b" / "drafter" / "config.json").read_text())["block_size"] == 5
 
 
 def test_init_from_grows_a_deeper_drafter(target, token_files, tmp_path):
