@@ -83,9 +83,12 @@ class Blocks:
 def sample_anchors(loss_mask: torch.Tensor, max_anchors: int, generator: torch.Generator
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """loss_mask [B, S] -> (anchors [B, K], valid [B, K]): up to K positions p with p and p+1 both
-    response tokens, uniformly without replacement, ascending; K = min(max_anchors, S-1)."""
-    B, S = loss_mask.shape
-    ok = (loss_mask[:, :-1] & loss_mask[:, 1:]).cpu()  # [B, S-1]
+    response tokens, uniformly without replacement, ascending; K = min(max_anchors, S-1), S counted to
+    the last response token: padding columns past it (make_batch rounds S up) draw nothing, so a padded
+    batch gets the anchors of the unpadded one."""
+    cols = loss_mask.any(0).nonzero()
+    S = int(cols.max()) + 1 if cols.numel() else loss_mask.shape[1]
+    ok = (loss_mask[:, :S - 1] & loss_mask[:, 1:S]).cpu()  # [B, S-1]
     score = torch.where(ok, torch.rand(ok.shape, generator=generator), -1.0)
     K = min(max_anchors, S - 1)
     top, idx = score.topk(K, dim=1)

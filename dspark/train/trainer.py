@@ -95,11 +95,21 @@ def cosine_lr(step: int, total_steps: int, warmup_frac: float) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, t)))
 
 
+# make_batch rounds the batch's length up to a multiple of this. Every new [B, S] shape costs the GPU
+# new attention and GEMM plans: with S the longest sequence of each batch (~500 distinct values), a
+# process ran 2-4x slower than its steady pace for its first 500-1,000 steps (session 18 on the H200).
+# Padding is loss-neutral: padded columns hold no label and no anchor (sample_anchors), the target is
+# causal and a block sees context before its anchor only (tests/train: test_padding_changes_no_loss).
+SEQ_BUCKET = 64
+
+
 def make_batch(data: TokenData, idx: list[int], seq_len: int, device: torch.device
                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sequences idx cut to seq_len and right-padded -> (tokens [B, S] int64, loss_mask [B, S] bool)."""
+    """Sequences idx cut to seq_len and right-padded to a multiple of SEQ_BUCKET (at most seq_len)
+    -> (tokens [B, S] int64, loss_mask [B, S] bool)."""
     seqs = [data.sequence(i) for i in idx]
-    S = min(seq_len, max(t.numel() for t, _ in seqs))
+    longest = max(t.numel() for t, _ in seqs)
+    S = min(seq_len, -(-longest // SEQ_BUCKET) * SEQ_BUCKET)
     tokens = torch.zeros(len(seqs), S, dtype=torch.long)
     mask = torch.zeros(len(seqs), S, dtype=torch.bool)
     for b, (t, m) in enumerate(seqs):

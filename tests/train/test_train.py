@@ -26,7 +26,7 @@ from dspark.train.checkpoint import drafter_state_dict, new_drafter, save_drafte
 from dspark.train.cli import add_train_parser
 from dspark.train.data import TokenData, generate_responses
 from dspark.train.model import (block_attention_mask, draft_losses, drafter_block_hidden, expected_acceptance_length,
-                                make_blocks, position_weights, sample_anchors, target_forward)
+                                make_blocks, position_weights, sample_anchors, target_forward, training_forward)
 from dspark.train.trainer import TrainConfig, Trainer, cosine_lr
 from tests.conftest import write_tiny_checkpoint
 
@@ -474,6 +474,23 @@ def test_warm_restart_starts_a_new_schedule_from_the_checkpoint(target, token_fi
     assert (state["step"], state["total_steps"], state["schedule"]) == (5, 5, 1)
     with pytest.raises(ValueError, match="restart_steps"):
         Trainer(_cfg(target, token_files, out, eval_data=None, resume=True, restart_steps=0))._resume()
+
+
+def test_padding_changes_no_loss(target, token_files, tmp_path):
+    """make_batch rounds the batch length up to a multiple of SEQ_BUCKET (few distinct shapes for the
+    GPU's attention/GEMM plans); the padded batch gives the unpadded one's anchors, losses and τ_prob."""
+    tr = Trainer(_cfg(target, token_files, tmp_path / "run", steps=1, eval_data=None, seq_len=128))
+    idx = tr.train_idx[:4]
+    tokens, mask = trainer_mod.make_batch(tr.data, idx, 128, tr.device)
+    n = max(tr.data.sequence(i)[0].numel() for i in idx)
+    assert tokens.shape[1] % trainer_mod.SEQ_BUCKET == 0 and n < tokens.shape[1] < n + trainer_mod.SEQ_BUCKET
+    assert trainer_mod.make_batch(tr.data, idx, n - 3, tr.device)[0].shape[1] == n - 3  # never past seq_len
+    with torch.no_grad():
+        a, b = (training_forward(tr.target, tr.drafter, t, m, 16, torch.Generator().manual_seed(3))
+                for t, m in ((tokens, mask), (tokens[:, :n], mask[:, :n])))
+    assert a.num_rows == b.num_rows > 0
+    for x, y in ((a.total, b.total), (a.tau_prob, b.tau_prob), (a.accept, b.accept)):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
 
 
 def test_init_from_a_trained_drafter(target, token_files, tmp_path):
