@@ -24,12 +24,17 @@ def _spec_llm(spec_pair, async_: bool) -> LLM:
     return llm
 
 
-def test_dspark_steps_launched_on_top_of_each_other(spec_pair, prompts):
+@pytest.fixture(scope="module")
+def sync_greedy(spec_pair, prompts):
+    """The synchronous DSpark engine's greedy outputs, 40 tokens each (shared: one engine run fewer)."""
+    return _spec_llm(spec_pair, False).generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+
+
+def test_dspark_steps_launched_on_top_of_each_other(spec_pair, prompts, sync_greedy):
     """Greedy DSpark with async scheduling: block t + 1 is launched before block t is read back, its
     rows placed on the device from t's accepted count. Same tokens, finish reasons and acceptance as
     the synchronous engine; stops mid-sequence (the next block's rows discarded); KV pool whole."""
-    free = _spec_llm(spec_pair, False).generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
-    stop = free[2].token_ids[25]
+    stop = sync_greedy[2].token_ids[25]
     params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=33, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, stop_token_ids=[stop])]
@@ -79,9 +84,9 @@ def test_greedy_dspark_pipeline_runs_up_to_max_tokens(spec_pair, prompts):
     llm.engine.kv.check_integrity()
 
 
-def test_dspark_abort_while_in_flight(spec_pair, prompts):
+def test_dspark_abort_while_in_flight(spec_pair, prompts, sync_greedy):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    ref = {tuple(p): o.token_ids for p, o in zip(prompts, _spec_llm(spec_pair, False).generate(prompts, params))}
+    ref = {tuple(p): o.token_ids for p, o in zip(prompts, sync_greedy)}
     seen = {}
 
     def abort(eng):
