@@ -301,12 +301,12 @@ def build_datasets(model: str | None, train_out: str | Path | None, heldout_out:
                        max_num_seqs=max_num_seqs, max_num_batched_tokens=max(8192, max_prompt_tokens),
                        kv_cache_memory_gb=kv_cache_memory_gb, seed=seed)
     ho = chat_prompt_ids(engine, heldout_prompts(num_heldout_prompts, prompt_source), max_prompt_tokens) \
-        if heldout_out is not None else []
+        if unsharded_heldout else []
+    num_ho = len(ho)  # request indices (and so seeds) as unsharded, where training requests follow held-out ones
+    if heldout_out is None:
+        ho = []
     tr = chat_prompt_ids(engine, train_prompts(prompt_offset + num_prompts, seed, prompt_source)[prompt_offset:],
                          max_prompt_tokens) if train_out is not None else []
-    # request indices (and so seeds) as in the unsharded run, where the training requests follow the held-out ones
-    num_ho = len(chat_prompt_ids(engine, heldout_prompts(num_heldout_prompts, prompt_source), max_prompt_tokens)) \
-        if k > 0 and unsharded_heldout else len(ho)
     mine = range(k, len(tr) * passes, n)
     tr = [tr[i % len(tr)] for i in mine]
     seeds = [seed * 1_000_003 + i for i in range(len(ho))] + [seed * 1_000_003 + num_ho + i for i in mine]
