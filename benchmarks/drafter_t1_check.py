@@ -7,7 +7,7 @@
      engine without speculation: per-slot mean 1 − TV(q, p) at T = 1, argmax agreement, and the
      per-block chain τ_prob = 1 + Σ_k Π_{i≤k} (1 − TV_i), at EVERY anchor of those tokens;
   2. the engine's own T = 1 DSpark run (probabilistic drafting, standard rejection, torch backend):
-     ModelRunner._verify / _verify_standard are wrapped to read the p and q the rejection sampler
+     ModelRunner._verify / _verify_probabilistic are wrapped to read the p and q the rejection sampler
      receives. Per slot k reached (drafts < k accepted): Σ_x min(p_k, q_k) (the expected acceptance
      given that context) next to the empirical acceptance, and E_{x~q}[q(x)] vs q(x_drafted) (are
      the drafts sampled from the q used in rejection?);
@@ -105,14 +105,14 @@ class Recorder:
         self.steps: list[dict] = []  # per request-step: rid, anchor position, n drafts, accepted, per-slot stats
         self.kept: list[tuple[str, int, int, torch.Tensor, torch.Tensor]] = []  # (rid, anchor, slot k, p_k, q_k)
         self._ctx: list = []
-        orig_verify, orig_std = runner._verify, runner._verify_standard
+        orig_verify, orig_prob = runner._verify, runner._verify_probabilistic
 
         def verify(verifying, logits, offset, result):
             self._ctx = [s.request for _, s in verifying if not s.request.params.greedy]
             return orig_verify(verifying, logits, offset, result)
 
-        def verify_standard(probs, drafts, q, num_drafts, seeds, pos):
-            out, n_out = orig_std(probs, drafts, q, num_drafts, seeds, pos)
+        def verify_probabilistic(method, probs, drafts, q, num_drafts, seeds, pos):
+            out, n_out = orig_prob(method, probs, drafts, q, num_drafts, seeds, pos)
             N = q.shape[1]
             smin = one_minus_tv(probs[:, :N], q)  # [B, N]
             qq = (q * q).sum(-1)  # E_{x~q} q(x)
@@ -129,7 +129,7 @@ class Recorder:
                         self.kept.append((r.request_id, a, k, probs[j, k].clone(), q[j, k].clone()))
             return out, n_out
 
-        runner._verify, runner._verify_standard = verify, verify_standard
+        runner._verify, runner._verify_probabilistic = verify, verify_probabilistic
 
     def summary(self, G: int) -> dict:
         reached, accepted, smin, qq, qx, ratio = (torch.zeros(G) for _ in range(6))

@@ -38,6 +38,12 @@ parts (comma-separated, default all):
            sequence, the shipped drafter's shapes, random SmolLM2-shaped target, random tokens): ms per
            optimizer step in fp32 lm_head products, TF32 (TrainConfig.tf32), and TF32 + compiled loss
            (compile_loss); the CUDA kernels of one step by total time (torch.profiler).
+  block_verify (not in the default list) probabilistic verification at SmolLM2's vocabulary (49,152),
+           N = 4 and 6 drafts, B = 1/8/32 (random p, q a perturbation of p, ragged draft counts):
+           µs per call in a graph of 30 of verify_standard_triton, verify_block_triton and the torch
+           verify_probabilistic(..., "block"), and over 10 fresh draws per shape the fraction of rows
+           whose tokens and count the block kernel gives exactly as the torch reference (an ulp of h_i
+           may flip τ where U_i ≈ h_i: kernels/rejection.py), with the mean accepted count of each method.
 Writes OUT_DIR/fastpath.json and prints a summary.
 """
 
@@ -510,6 +516,59 @@ if "train" in parts:  # the trainer's step time, fp32 vs TF32 lm_head products v
         for k in row.get("top_kernels", [])[:10]:
             print("   ", k, flush=True)
     res["train"] = rows
+    save()
+
+
+
+def block_verify_part(vocab: int = 49152, drafts=(4, 6), batches=(1, 8, 32), draws: int = 10) -> dict:
+    """The block_verify part (see the module docstring); the sizes are arguments so that it can be
+    tried small, in Triton's interpreter."""
+    from dspark.kernels.rejection import verify_block_triton, verify_standard_triton
+    from dspark.spec.rejection import verify_probabilistic
+
+    def inputs(B: int, N: int, seed: int) -> tuple:
+        g = torch.Generator(device=dev).manual_seed(seed)
+        logits = 3.0 * torch.randn(B, N + 1, vocab, device=dev, generator=g)
+        q = (logits[:, :N] + 0.8 * torch.randn(B, N, vocab, device=dev, generator=g)).softmax(-1)
+        drafts_ = torch.multinomial(q.reshape(-1, vocab), 1, generator=g).view(B, N)
+        nd = torch.full((B,), N, dtype=torch.int64, device=dev)
+        nd[1::3] = torch.arange(N + 1, device=dev).repeat(B)[:nd[1::3].numel()]  # ragged, 0..N
+        seeds = torch.randint(0, 2**62, (B,), device=dev, generator=g)
+        pos = torch.randint(0, 4096, (B,), device=dev, generator=g)
+        return logits.softmax(-1), drafts_, q, nd, seeds, pos
+
+    rows = {}
+    for N in drafts:
+        for B in batches:
+            args = inputs(B, N, 100 * N + B)
+            row = {}
+            for name, fn in (("standard_triton_us", lambda: verify_standard_triton(*args)),
+                             ("block_triton_us", lambda: verify_block_triton(*args)),
+                             ("block_torch_us", lambda: verify_probabilistic(*args, "block"))):
+                try:
+                    row[name] = graph_us(fn)
+                except Exception as e:  # noqa: BLE001
+                    row[name] = f"{type(e).__name__}: {str(e)[:200]}"
+            same = total = 0
+            acc = {"standard": 0, "block": 0}
+            for d in range(draws):
+                a = args if d == 0 else inputs(B, N, 100 * N + B + 7919 * d)
+                ref_t, ref_n = verify_probabilistic(*a, "block")
+                got_t, got_n = verify_block_triton(*a)
+                same += int(((ref_t == got_t).all(1) & (ref_n == got_n)).sum())
+                total += B
+                acc["block"] += int(ref_n.sum()) - B
+                acc["standard"] += int(verify_probabilistic(*a, "standard")[1].sum()) - B
+            row["block_rows_identical"] = round(same / total, 6)
+            row["rows_compared"] = total
+            row["mean_accepted"] = {k: round(v / total, 3) for k, v in acc.items()}
+            rows[f"N{N}_B{B}"] = row
+            report(f"block_verify/N{N}_B{B}", row)
+    return rows
+
+
+if "block_verify" in parts:  # the fused block verification kernel vs standard's and the torch reference
+    res["block_verify"] = block_verify_part()
     save()
 
 print("done", flush=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -130,13 +131,15 @@ class ModelRunner:
             self.proposer = proposer_factory.build(self.model)
             if hasattr(self.proposer, "use_triton"):  # DSparkProposer: draft with the Triton kernels too
                 self.proposer.use_triton = config.resolved_attention_backend == "triton"
-        # Probabilistic "standard" verification: with the triton backend one fused kernel
-        # (kernels/rejection.py: same keys, same tokens) instead of ~60 torch ops and two Philox draws.
-        self._fused_verify = None
+        # Probabilistic verification, "standard" and "block": with the triton backend a fused kernel
+        # each (kernels/rejection.py: same keys, same tokens; block's τ up to an ulp of h_i) instead of
+        # dozens of torch ops and two Philox draws. A method missing here verifies with torch ops
+        # (_verify_probabilistic).
+        self._fused_verify: dict[str, Callable] = {}
         if config.resolved_attention_backend == "triton":
-            from dspark.kernels.rejection import verify_standard_triton
+            from dspark.kernels.rejection import verify_block_triton, verify_standard_triton
 
-            self._fused_verify = verify_standard_triton
+            self._fused_verify = {"standard": verify_standard_triton, "block": verify_block_triton}
         if self.device.type == "cpu":  # spread one-row products over the cores (layers/linear.py)
             use_cpu_split_k(self.model)
             drafter = getattr(self.proposer, "drafter", None)  # DSparkProposer's; test proposers have none
@@ -644,10 +647,7 @@ class ModelRunner:
             seeds = torch.tensor([as_int64(r.seed) for r in preqs], device=dev)
             pos = torch.tensor([r.num_tokens for r in preqs], device=dev)
             method = self.spec.rejection_sample_method
-            if method == "standard":
-                out[p], n_out[p] = self._verify_standard(probs, drafts[p], q, num_drafts[p], seeds, pos)
-            else:  # block verification stays on the torch path (kernels/rejection.py says why)
-                out[p], n_out[p] = verify_probabilistic(probs, drafts[p], q, num_drafts[p], seeds, pos, method)
+            out[p], n_out[p] = self._verify_probabilistic(method, probs, drafts[p], q, num_drafts[p], seeds, pos)
         read = torch.cat([out, n_out.unsqueeze(1)], dim=1).tolist()  # one read-back: tokens, then the count
         for j, r in enumerate(reqs):
             n_emit = read[j][-1]
@@ -709,7 +709,7 @@ class ModelRunner:
         dq = self._draft_q(sreqs, d, q - 1, V) if dq is None else dq[:, :q - 1]
         args = (probs, d, dq, num_drafts[idx], batch.seeds, batch.positions)
         method = self.spec.rejection_sample_method
-        o, n = self._verify_standard(*args) if method == "standard" else verify_probabilistic(*args, method)
+        o, n = self._verify_probabilistic(method, *args)
         if whole:
             return o, n
         out, n_out = out.clone(), n_out.clone()
@@ -751,18 +751,20 @@ class ModelRunner:
                 and all(_one_sync_params(s.request.params) and (s.request.params.greedy or s.num_spec_tokens > 0)
                         for s in scheduled))
 
-    def _verify_standard(self, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Standard verification through the fused kernel when there is one; if it fails (a Triton
-        compile error on a GPU it was never run on), warn once and stay on the torch path, which gives
-        the same tokens."""
-        if self._fused_verify is not None:
+    def _verify_probabilistic(self, method: str, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Verification by ``method`` (SpeculativeConfig.rejection_sample_method) of (probs, drafts, q,
+        num_drafts, seeds, positions), through the method's fused kernel when there is one; if it fails
+        (a Triton compile error on a GPU it was never run on), warn once and stay on the torch path for
+        that method, which gives the same tokens (block: up to a near-tie U_i ≈ h_i, kernels/rejection.py)."""
+        kernel = self._fused_verify.get(method)
+        if kernel is not None:
             try:
-                return self._fused_verify(*args)
+                return kernel(*args)
             except Exception as e:  # noqa: BLE001 (any compile/launch failure: the torch path is equivalent)
-                logger.warning("fused verification kernel failed (%s: %s); verifying with torch ops from now on",
-                               type(e).__name__, e)
-                self._fused_verify = None
-        return verify_probabilistic(*args, method="standard")
+                logger.warning("fused verification kernel failed (%s: %s); verifying %s with torch ops from now on",
+                               type(e).__name__, e, method)
+                del self._fused_verify[method]
+        return verify_probabilistic(*args, method=method)
 
     def _logprobs(self, sampling, logits: torch.Tensor, offset: dict[int, int], result: StepResult) -> None:
         want = [(b, s) for b, s in sampling if s.request.params.logprobs is not None]

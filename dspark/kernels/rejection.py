@@ -1,7 +1,7 @@
-"""Fused probabilistic speculative verification ("standard", token-wise), in Triton.
+"""Fused probabilistic speculative verification, "standard" (token-wise) and "block", in Triton.
 
-Fused kernel
-------------
+Standard
+--------
 ``verify_standard_triton`` computes exactly ``dspark.spec.rejection.verify_probabilistic(...,
 method="standard")`` (same contract, same random keys, same tokens), which in torch is ~60 small ops
 and two Philox draws per verify step. For each request b with N_b drafts it fuses
@@ -26,18 +26,53 @@ kernel reduces them in split order and writes the result (TWO launches). The gri
 and the split count depend only on the shapes (B, N, V) and the device, never on tensor values: no
 host synchronisation, so it can be captured in a CUDA graph.
 
+Block
+-----
+``verify_block_triton`` computes ``verify_probabilistic(..., method="block")`` (Sun et al. 2024), same
+contract and keys. Its acceptance needs, before τ is known, a residual mass for every draft slot,
+R_i = Σ_x max(P_i p_{i+1}(x) - q_{i+1}(x), 0) for 1 <= i < N_b: a pass over the vocabulary per slot.
+P_i = min(P_{i-1} r_i, 1) is a running product of N gathered ratios, rounded at every step as the
+reference rounds it; every program recomputes it (N gathers) rather than passing it around.
+
+  * mass: R_i in vocabulary tiles. The sum over the vocabulary is always taken in the same order
+    whatever the layout: one ``tl.sum`` per tile of ``block_v`` tokens, then the tile sums added
+    from tile 0 up. With several splits a first launch writes the tile sums ([B, tiles, N_PAD]
+    f32) and every program of the second adds them in tile order; with one split the program
+    computes them itself in that order. R (so τ) therefore does not depend on the split count,
+    i.e. on the batch size through the default split.
+  * acceptance: h_i = R_i / (R_i + 1 - P_i) (1 where that denominator is 0) for i < N_b,
+    h_{N_b} = P_{N_b}, 0 past N_b; τ = the LAST i with U_i <= h_i (0 if none).
+  * the final token: the standard kernel's Gumbel-max pass, of norm(max(P_τ p_{τ+1} - q_{τ+1}, 0))
+    (or p_{τ+1} for the bonus τ = N_b and where the residual has no mass or is NaN), with the noise
+    of position + τ; the same partial maxima and the same reduce kernel.
+
+Launches: one split: ONE (mass, acceptance and the Gumbel-max in one program); several: THREE (tile
+sums; acceptance and the partial Gumbel maxima; the shared reduction). With N <= 1 there is no mass
+to compute (h_1 = P_1 = min(r_1, 1): block is standard there) and the first of the three is skipped.
+Again, grid and loop bounds come from shapes only: no host synchronisation, CUDA-graph capturable.
+
+Draft ids outside [0, V) in real draft slots (the reference would fail on them in its gather) are
+read as p_i(X_i) = q_i(X_i) = 0, so r_i = 0: the standard kernel rejects them, and in block P_i = 0
+(then R_j = 0 and h_j = 0 for j >= i: τ < i). Either way such a draft is never emitted.
+
+Numerics
+--------
 Randomness is the reference's, key for key (dspark.sample.rng): acceptance uniforms
-uniform(seeds, positions, accept_stream, N), Gumbel noise gumbel(seeds, positions + a,
+uniform(seeds, positions, accept_stream, N), Gumbel noise gumbel(seeds, positions + accepted,
 recover_stream, V), through the Philox/Gumbel helpers of dspark.kernels.markov_sampler. Like the
 Markov sampler, the logs are libdevice's on the GPU (what torch's CUDA kernels call) and correctly
-rounded float64 logs in the interpreter (``PRECISE``), and fp fusion is off on the GPU. The integer
-work (Philox, the acceptance test) is bit-exact; tokens can differ from the reference only where two
+rounded float64 logs in the interpreter (``PRECISE``), and fp fusion is off on the GPU, so products
+and differences such as P_τ·p - q round exactly as torch's separate ops. The integer work (Philox,
+the acceptance test of standard) is bit-exact; tokens can differ from the reference only where two
 scores log(dist) + g of the sampled row tie to within a last-bit rounding of the log (the
 interpreter's log vs torch's CPU log; on a GPU both are libdevice's).
 
-The "block" method (Sun et al. 2024) stays on the torch path (``verify_probabilistic``): its
-acceptance needs a residual mass R_i for every draft slot (a pass over the vocabulary per slot)
-before the accepted count is known.
+Block adds one more such case, in its acceptance: R_i is a float32 sum over the vocabulary in another
+order than torch's (whose own order depends on the device and the CPU's vector width), so R_i can
+differ from the reference's in the last bits (~1e-7 relative at V = 49,152) and h_i then by an ulp
+(~6e-8 near 1; equal about half the time). U_i <= h_i flips only where U_i falls between the two
+values of h_i: about 1e-8 per draft slot, after which τ and the tokens differ. Everything else in
+block's acceptance (the ratios, the running P, h from R, the comparison) rounds as the reference's.
 """
 
 from __future__ import annotations
@@ -52,7 +87,7 @@ from dspark.kernels import check_device, next_pow2
 from dspark.kernels.markov_sampler import _gumbel_from_words, _hi32, _lo32, _log, _philox, _precise
 from dspark.sample.rng import STREAM_ACCEPT, STREAM_RECOVER
 
-__all__ = ["verify_standard_triton"]
+__all__ = ["verify_standard_triton", "verify_block_triton"]
 
 _NEG_INF = tl.constexpr(float("-inf"))
 _TINY = tl.constexpr(1.1754943508222875e-38)  # torch.finfo(torch.float32).tiny, as rejection._TINY
@@ -89,41 +124,25 @@ def _emit_rows(out_ptr, nout_ptr, dt_ptr, sdt_b, rows, rm, a, final, N, OUT_PAD:
 
 
 @triton.jit
-def _verify_standard_kernel(
-    tp_ptr, stp_b, stp_r,  # target probs [B, N+1, V] f32, unit stride over V
-    dt_ptr, sdt_b,  # draft tokens [B, N] int64
-    dp_ptr, sdp_b, sdp_r,  # draft probs [B, N, V] f32, unit stride over V
-    nd_ptr, seed_ptr, pos_ptr,  # [B] int64
-    out_ptr, nout_ptr,  # FINAL: tokens [B, N+1] int64 (contiguous), num_emitted [B] int64
-    pf_ptr, pi_ptr, acc_ptr,  # not FINAL: partials [B, S, 2] f32, [B, S, 4] int32, a [B] int32
-    B, N, V, NT, TPS, S,
-    accept_stream, recover_stream,
-    FINAL: tl.constexpr, PRECISE: tl.constexpr,
-    BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, N_PAD: tl.constexpr, OUT_PAD: tl.constexpr,
-):
-    s = tl.program_id(1)
-    rows = (tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)).to(tl.int64)
-    rm = rows < B
-    nb = tl.load(nd_ptr + rows, mask=rm, other=0)
-    nb = tl.minimum(tl.maximum(nb, 0), N).to(tl.int32)
-    seed = tl.load(seed_ptr + rows, mask=rm, other=0)
-    pos = tl.load(pos_ptr + rows, mask=rm, other=0)
-
-    # (1) Acceptance: a = length of the prefix of drafts with U_i <= p_i(X_i) / q_i(X_i).
-    j = tl.arange(0, N_PAD)[None, :] + tl.zeros([BLOCK_B, N_PAD], tl.int32)
-    valid = rm[:, None] & (j < nb[:, None])
-    x = tl.load(dt_ptr + rows[:, None] * sdt_b + j, mask=valid, other=0).to(tl.int64)
-    inv = valid & (x >= 0) & (x < V)  # a valid draft is a token id; out-of-range ones are rejected
-    px = tl.load(tp_ptr + rows[:, None] * stp_b + j * stp_r + x, mask=inv, other=0.0)
-    qx = tl.load(dp_ptr + rows[:, None] * sdp_b + j * sdp_r + x, mask=inv, other=0.0)
-    ratio = tl.math.div_rn(px, tl.maximum(qx, _TINY, propagate_nan=tl.PropagateNan.ALL))
+def _acceptance_uniforms(seed, pos, accept_stream, BLOCK_B: tl.constexpr, N_PAD: tl.constexpr):
+    """[BLOCK_B, N_PAD] f32: column i - 1 holds U_i = uniform(seed, pos, accept_stream, N)[i - 1]."""
     w = _words_rows(seed, pos, accept_stream, 0, BLOCK_B, N_PAD)
-    u = tl.minimum((w.to(tl.float32) + 0.5) * _TWO_POW_M32, _BELOW_ONE)  # rng._open_unit
-    accept = valid & (u <= ratio)
-    a = tl.min(tl.where(accept, N_PAD, j), 1)  # first rejection (or N_b: no valid draft past it)
-    a = tl.minimum(a, nb)
+    return tl.minimum((w.to(tl.float32) + 0.5) * _TWO_POW_M32, _BELOW_ONE)  # rng._open_unit
 
-    # (2) Gumbel-max over this program's vocabulary tiles, of log(residual) + g and of log(p) + g.
+
+@triton.jit
+def _final_token(
+    tp_ptr, stp_b, stp_r, dt_ptr, sdt_b, dp_ptr, sdp_b, sdp_r,
+    out_ptr, nout_ptr, pf_ptr, pi_ptr, acc_ptr,
+    rows, rm, nb, seed, pos, a, scale, s, N, V, NT, TPS, S, recover_stream,
+    SCALED: tl.constexpr, FINAL: tl.constexpr, PRECISE: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, OUT_PAD: tl.constexpr,
+):
+    """Steps (2) and (3) of the module docstring once the accepted count a ([BLOCK_B] int32) is known:
+    Gumbel-max over this program's vocabulary tiles [s TPS, min((s + 1) TPS, NT)) of log(residual) + g
+    and of log(p_{a+1}) + g, residual = max(scale·p_{a+1} - q_{a+1}, 0) (SCALED, block: scale = P_a)
+    or max(p_{a+1} - q_{a+1}, 0) (standard); then the output rows (FINAL: the program saw the whole
+    vocabulary) or this split's partial maxima for _verify_reduce_kernel."""
     is_bonus = a == nb
     use_res = rm & (a < nb)
     prow = rows * stp_b + a.to(tl.int64) * stp_r
@@ -144,7 +163,10 @@ def _verify_standard_kernel(
         p = tl.load(tp_ptr + prow[:, None] + cols, mask=cm, other=0.0)
         q = tl.load(dp_ptr + qrow[:, None] + cols, mask=cm & use_res[:, None], other=0.0)
         g = _gumbel_from_words(_words_rows(seed, rpos, recover_stream, start, BLOCK_B, BLOCK_V), PRECISE)
-        d = p - q
+        if SCALED:
+            d = scale[:, None] * p - q  # two roundings, as torch's two ops (no fp fusion)
+        else:
+            d = p - q
         r = tl.where(d < 0.0, 0.0, d)  # clamp(min=0), NaN kept as torch does
         mass = tl.maximum(mass, tl.max((cm & (r > 0.0)).to(tl.int32), 1))
         nan = tl.maximum(nan, tl.max((cm & (r != r)).to(tl.int32), 1))
@@ -174,6 +196,167 @@ def _verify_standard_kernel(
 
 
 @triton.jit
+def _verify_standard_kernel(
+    tp_ptr, stp_b, stp_r,  # target probs [B, N+1, V] f32, unit stride over V
+    dt_ptr, sdt_b,  # draft tokens [B, N] int64
+    dp_ptr, sdp_b, sdp_r,  # draft probs [B, N, V] f32, unit stride over V
+    nd_ptr, seed_ptr, pos_ptr,  # [B] int64
+    out_ptr, nout_ptr,  # FINAL: tokens [B, N+1] int64 (contiguous), num_emitted [B] int64
+    pf_ptr, pi_ptr, acc_ptr,  # not FINAL: partials [B, S, 2] f32, [B, S, 4] int32, a [B] int32
+    B, N, V, NT, TPS, S,
+    accept_stream, recover_stream,
+    FINAL: tl.constexpr, PRECISE: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, N_PAD: tl.constexpr, OUT_PAD: tl.constexpr,
+):
+    s = tl.program_id(1)
+    rows = (tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)).to(tl.int64)
+    rm = rows < B
+    nb = tl.load(nd_ptr + rows, mask=rm, other=0)
+    nb = tl.minimum(tl.maximum(nb, 0), N).to(tl.int32)
+    seed = tl.load(seed_ptr + rows, mask=rm, other=0)
+    pos = tl.load(pos_ptr + rows, mask=rm, other=0)
+
+    # (1) Acceptance: a = length of the prefix of drafts with U_i <= p_i(X_i) / q_i(X_i).
+    j = tl.arange(0, N_PAD)[None, :] + tl.zeros([BLOCK_B, N_PAD], tl.int32)
+    valid = rm[:, None] & (j < nb[:, None])
+    x = tl.load(dt_ptr + rows[:, None] * sdt_b + j, mask=valid, other=0).to(tl.int64)
+    inv = valid & (x >= 0) & (x < V)  # a valid draft is a token id; out-of-range ones are rejected
+    px = tl.load(tp_ptr + rows[:, None] * stp_b + j * stp_r + x, mask=inv, other=0.0)
+    qx = tl.load(dp_ptr + rows[:, None] * sdp_b + j * sdp_r + x, mask=inv, other=0.0)
+    ratio = tl.math.div_rn(px, tl.maximum(qx, _TINY, propagate_nan=tl.PropagateNan.ALL))
+    u = _acceptance_uniforms(seed, pos, accept_stream, BLOCK_B, N_PAD)
+    accept = valid & (u <= ratio)
+    a = tl.min(tl.where(accept, N_PAD, j), 1)  # first rejection (or N_b: no valid draft past it)
+    a = tl.minimum(a, nb)
+
+    # (2), (3): the final token of norm(max(p_{a+1} - q_{a+1}, 0)) or p_{a+1}, and the output.
+    _final_token(tp_ptr, stp_b, stp_r, dt_ptr, sdt_b, dp_ptr, sdp_b, sdp_r, out_ptr, nout_ptr, pf_ptr, pi_ptr, acc_ptr,
+                 rows, rm, nb, seed, pos, a, ratio, s, N, V, NT, TPS, S, recover_stream,
+                 SCALED=False, FINAL=FINAL, PRECISE=PRECISE, BLOCK_B=BLOCK_B, BLOCK_V=BLOCK_V, OUT_PAD=OUT_PAD)
+
+
+@triton.jit
+def _block_running_p(
+    tp_ptr, stp_b, stp_r, dt_ptr, sdt_b, dp_ptr, sdp_b, sdp_r, rows, rm, nb, N, V,
+    BLOCK_B: tl.constexpr, N_PAD: tl.constexpr,
+):
+    """[BLOCK_B, N_PAD] f32, column i - 1 = P_i for i = 1..N (0 past N; P_0 = 1 is implicit):
+    P_i = min(P_{i-1} r_i, 1), r_i as the standard acceptance computes it and 1 in padding slots
+    (where P stays), one slot after the other: the reference's running product, rounded alike."""
+    j = tl.arange(0, N_PAD)[None, :]
+    run = tl.full([BLOCK_B], 1.0, tl.float32)
+    big_p = tl.zeros([BLOCK_B, N_PAD], tl.float32)
+    for i in range(N):
+        valid = rm & (i < nb)
+        x = tl.load(dt_ptr + rows * sdt_b + i, mask=valid, other=0).to(tl.int64)
+        inv = valid & (x >= 0) & (x < V)  # out-of-range ids read as p = q = 0: r_i = 0, P_i = 0
+        px = tl.load(tp_ptr + rows * stp_b + i * stp_r + x, mask=inv, other=0.0)
+        qx = tl.load(dp_ptr + rows * sdp_b + i * sdp_r + x, mask=inv, other=0.0)
+        ratio = tl.math.div_rn(px, tl.maximum(qx, _TINY, propagate_nan=tl.PropagateNan.ALL))
+        run = tl.where(valid, tl.minimum(run * ratio, 1.0, propagate_nan=tl.PropagateNan.ALL), run)
+        big_p = tl.where(j == i, run[:, None], big_p)
+    return big_p
+
+
+@triton.jit
+def _block_mass_tile(
+    tp_ptr, stp_b, stp_r, dp_ptr, sdp_b, sdp_r, rows, rm, nb, big_p, t, N, V,
+    BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, N_PAD: tl.constexpr,
+):
+    """[BLOCK_B, N_PAD] f32, column i - 1 = vocabulary tile t's share of
+    R_i = Σ_x max(P_i·p_{i+1}(x) - q_{i+1}(x), 0) for 1 <= i < N_b, and 0 elsewhere (those rows are
+    not read: R_i is used only below N_b, and q_{i+1} past N_b is padding). One ``tl.sum`` per slot
+    over the tile; the caller adds the tile sums in tile order."""
+    j = tl.arange(0, N_PAD)[None, :]
+    cols = t * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]
+    part = tl.zeros([BLOCK_B, N_PAD], tl.float32)
+    for i in range(1, N):  # R_i reads target row i (p_{i+1}) and draft row i (q_{i+1})
+        cm = (rm & (i < nb))[:, None] & (cols < V)
+        big_pi = tl.sum(tl.where(j == i - 1, big_p, 0.0), 1)  # P_i (a sum of one term: exact)
+        p = tl.load(tp_ptr + (rows * stp_b + i * stp_r)[:, None] + cols, mask=cm, other=0.0)
+        q = tl.load(dp_ptr + (rows * sdp_b + i * sdp_r)[:, None] + cols, mask=cm, other=0.0)
+        d = big_pi[:, None] * p - q  # two roundings, as the reference's two ops (no fp fusion)
+        r = tl.where(d < 0.0, 0.0, d)  # clamp(min=0), NaN kept
+        part = tl.where(j == i - 1, tl.sum(tl.where(cm, r, 0.0), 1)[:, None], part)
+    return part
+
+
+@triton.jit
+def _block_mass_kernel(
+    tp_ptr, stp_b, stp_r, dt_ptr, sdt_b, dp_ptr, sdp_b, sdp_r, nd_ptr,
+    part_ptr,  # tile sums [B, NT, N_PAD] f32
+    B, N, V, NT, TPS,
+    BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, N_PAD: tl.constexpr,
+):
+    """Block verification with the vocabulary split, launch 1 of 3: the tile sums of R_1..R_{N-1} for
+    this program's requests and tiles [s TPS, min((s + 1) TPS, NT))."""
+    s = tl.program_id(1)
+    rows = (tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)).to(tl.int64)
+    rm = rows < B
+    nb = tl.minimum(tl.maximum(tl.load(nd_ptr + rows, mask=rm, other=0), 0), N).to(tl.int32)
+    big_p = _block_running_p(tp_ptr, stp_b, stp_r, dt_ptr, sdt_b, dp_ptr, sdp_b, sdp_r, rows, rm, nb, N, V,
+                             BLOCK_B, N_PAD)
+    j = tl.arange(0, N_PAD)[None, :]
+    t_lo = s * TPS
+    t_hi = tl.minimum(t_lo + TPS, NT)
+    for t in range(t_lo, t_hi):
+        part = _block_mass_tile(tp_ptr, stp_b, stp_r, dp_ptr, sdp_b, sdp_r, rows, rm, nb, big_p, t, N, V,
+                                BLOCK_B, BLOCK_V, N_PAD)
+        tl.store(part_ptr + (rows[:, None] * NT + t) * N_PAD + j, part, mask=rm[:, None])
+
+
+@triton.jit
+def _verify_block_kernel(
+    tp_ptr, stp_b, stp_r,  # target probs [B, N+1, V] f32, unit stride over V
+    dt_ptr, sdt_b,  # draft tokens [B, N] int64
+    dp_ptr, sdp_b, sdp_r,  # draft probs [B, N, V] f32, unit stride over V
+    nd_ptr, seed_ptr, pos_ptr,  # [B] int64
+    out_ptr, nout_ptr,  # FINAL: tokens [B, N+1] int64 (contiguous), num_emitted [B] int64
+    part_ptr,  # not FINAL (and HAS_MASS): _block_mass_kernel's tile sums [B, NT, N_PAD] f32
+    pf_ptr, pi_ptr, acc_ptr,  # not FINAL: partials [B, S, 2] f32, [B, S, 4] int32, τ [B] int32
+    B, N, V, NT, TPS, S,
+    accept_stream, recover_stream,
+    FINAL: tl.constexpr, HAS_MASS: tl.constexpr, PRECISE: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, N_PAD: tl.constexpr, OUT_PAD: tl.constexpr,
+):
+    s = tl.program_id(1)
+    rows = (tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)).to(tl.int64)
+    rm = rows < B
+    nb = tl.minimum(tl.maximum(tl.load(nd_ptr + rows, mask=rm, other=0), 0), N).to(tl.int32)
+    seed = tl.load(seed_ptr + rows, mask=rm, other=0)
+    pos = tl.load(pos_ptr + rows, mask=rm, other=0)
+
+    # (1) P_1..P_N and R_1..R_{N-1}: the tile sums added in tile order, whoever computed them.
+    big_p = _block_running_p(tp_ptr, stp_b, stp_r, dt_ptr, sdt_b, dp_ptr, sdp_b, sdp_r, rows, rm, nb, N, V,
+                             BLOCK_B, N_PAD)
+    j = tl.arange(0, N_PAD)[None, :]
+    mass = tl.zeros([BLOCK_B, N_PAD], tl.float32)
+    if HAS_MASS:
+        if FINAL:
+            for t in range(0, NT):
+                mass += _block_mass_tile(tp_ptr, stp_b, stp_r, dp_ptr, sdp_b, sdp_r, rows, rm, nb, big_p, t, N, V,
+                                         BLOCK_B, BLOCK_V, N_PAD)
+        else:
+            for t in range(0, NT):
+                mass += tl.load(part_ptr + (rows[:, None] * NT + t) * N_PAD + j, mask=rm[:, None], other=0.0)
+
+    # (2) h_i and τ = the last i <= N_b with U_i <= h_i (0 if none).
+    slot = j + 1  # i, 1-based
+    nbc = nb[:, None]
+    den = mass + (1.0 - big_p)  # >= 0; 0 only where R_i = 0 and P_i = 1, where h_i = 1
+    h_mid = tl.where(den > 0.0, tl.math.div_rn(mass, tl.maximum(den, _TINY)), 1.0)
+    h = tl.where(slot < nbc, h_mid, tl.where(slot == nbc, big_p, 0.0))  # h_{N_b} = P_{N_b}; 0 past N_b
+    u = _acceptance_uniforms(seed, pos, accept_stream, BLOCK_B, N_PAD)
+    tau = tl.max(tl.where(rm[:, None] & (u <= h), slot, 0), 1)  # U > 0: h = 0 is never hit
+    scale = tl.where(tau == 0, 1.0, tl.sum(tl.where(slot == tau[:, None], big_p, 0.0), 1))  # P_τ, exact
+
+    # (3) the final token of norm(max(P_τ·p_{τ+1} - q_{τ+1}, 0)) or p_{τ+1}, and the output.
+    _final_token(tp_ptr, stp_b, stp_r, dt_ptr, sdt_b, dp_ptr, sdp_b, sdp_r, out_ptr, nout_ptr, pf_ptr, pi_ptr, acc_ptr,
+                 rows, rm, nb, seed, pos, tau, scale, s, N, V, NT, TPS, S, recover_stream,
+                 SCALED=True, FINAL=FINAL, PRECISE=PRECISE, BLOCK_B=BLOCK_B, BLOCK_V=BLOCK_V, OUT_PAD=OUT_PAD)
+
+
+@triton.jit
 def _first_argmax(best, idx, sm, S_PAD: tl.constexpr):
     """[BLOCK_B] index of the split maxima's winner: the largest, the lowest split on a tie."""
     ss = tl.arange(0, S_PAD)[None, :]
@@ -187,6 +370,8 @@ def _verify_reduce_kernel(
     dt_ptr, sdt_b, nd_ptr, out_ptr, nout_ptr, pf_ptr, pi_ptr, acc_ptr, B, N, S,
     BLOCK_B: tl.constexpr, S_PAD: tl.constexpr, OUT_PAD: tl.constexpr,
 ):
+    """The split partial maxima -> the output rows; ``acc`` holds the accepted count (standard: a,
+    block: τ), so both methods share it."""
     rows = (tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)).to(tl.int64)
     rm = rows < B
     nb = tl.minimum(tl.maximum(tl.load(nd_ptr + rows, mask=rm, other=0), 0), N).to(tl.int32)
@@ -214,35 +399,22 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[idx]
 
 
-def verify_standard_triton(
+def _verify_triton(
+    method: str,
     target_probs: Tensor,
     draft_tokens: Tensor,
     draft_probs: Tensor,
     num_drafts: Tensor,
     seeds: Tensor,
     positions: Tensor,
-    accept_stream: int = STREAM_ACCEPT,
-    recover_stream: int = STREAM_RECOVER,
-    *,
-    block_v: int | None = None,
-    block_b: int | None = None,
-    splits: int | None = None,
-    num_warps: int = 4,
+    accept_stream: int,
+    recover_stream: int,
+    block_v: int | None,
+    block_b: int | None,
+    splits: int | None,
+    num_warps: int,
 ) -> tuple[Tensor, Tensor]:
-    """``verify_probabilistic(target_probs, draft_tokens, draft_probs, num_drafts, seeds, positions,
-    "standard", accept_stream, recover_stream)``, fused (see the module docstring).
-
-    target_probs [B, N+1, V] f32; draft_tokens [B, N] int64; draft_probs [B, N, V] f32; num_drafts,
-    seeds, positions [B] int64 (num_drafts[b] in [0, N]; values outside are clamped). All on one
-    device. The probability tensors need unit stride over V (else they are copied); other dtypes are
-    converted (a copy: pass the documented dtypes inside a CUDA graph).
-    Returns (tokens [B, N+1] int64 padded with -1, num_emitted [B] int64).
-
-    Tuning (defaults by device): ``block_v`` vocabulary tile (1024 on CUDA, 128 in the interpreter);
-    ``block_b`` requests per program (1 on CUDA; up to 64 in the interpreter, where wide tiles are
-    cheap and programs are not); ``splits`` programs per request over the vocabulary (CUDA: enough
-    for ~2 programs per SM; interpreter: 1). One split is one launch, more are two.
-    """
+    """verify_standard_triton / verify_block_triton: the checks, conversions, layout and launches."""
     check_device(target_probs)
     batch, n = draft_tokens.shape
     vocab = target_probs.shape[-1]
@@ -294,22 +466,95 @@ def verify_standard_triton(
         pf = torch.empty(batch, n_split, 2, dtype=torch.float32, device=dev)
         pi = torch.empty(batch, n_split, 4, dtype=torch.int32, device=dev)
         acc = torch.empty(batch, dtype=torch.int32, device=dev)
-    _verify_standard_kernel[(n_prog, n_split)](
-        target_probs, target_probs.stride(0), target_probs.stride(1),
-        draft_tokens, sdt_b,
-        draft_probs, sdp_b, sdp_r,
-        num_drafts, seeds, positions,
-        tokens, num_emitted,
-        pf, pi, acc,
-        batch, n, vocab, nt, tps, n_split,
-        accept_stream & 0xFFFFFFFF, recover_stream & 0xFFFFFFFF,
-        FINAL=final, PRECISE=_precise(target_probs),
-        BLOCK_B=block_b, BLOCK_V=block_v, N_PAD=n_pad, OUT_PAD=out_pad,
-        num_warps=num_warps, **opts,
-    )
+    probs = (target_probs, target_probs.stride(0), target_probs.stride(1), draft_tokens, sdt_b,
+             draft_probs, sdp_b, sdp_r)
+    streams = (accept_stream & 0xFFFFFFFF, recover_stream & 0xFFFFFFFF)
+    if method == "standard":
+        _verify_standard_kernel[(n_prog, n_split)](
+            *probs, num_drafts, seeds, positions, tokens, num_emitted, pf, pi, acc,
+            batch, n, vocab, nt, tps, n_split, *streams,
+            FINAL=final, PRECISE=_precise(target_probs),
+            BLOCK_B=block_b, BLOCK_V=block_v, N_PAD=n_pad, OUT_PAD=out_pad,
+            num_warps=num_warps, **opts,
+        )
+    else:
+        has_mass = n >= 2  # R_i exists for 1 <= i < N
+        part = num_emitted  # never read unless written below
+        if has_mass and not final:
+            part = torch.empty(batch, nt, n_pad, dtype=torch.float32, device=dev)
+            _block_mass_kernel[(n_prog, n_split)](
+                *probs, num_drafts, part, batch, n, vocab, nt, tps,
+                BLOCK_B=block_b, BLOCK_V=block_v, N_PAD=n_pad, num_warps=num_warps, **opts,
+            )
+        _verify_block_kernel[(n_prog, n_split)](
+            *probs, num_drafts, seeds, positions, tokens, num_emitted, part, pf, pi, acc,
+            batch, n, vocab, nt, tps, n_split, *streams,
+            FINAL=final, HAS_MASS=has_mass, PRECISE=_precise(target_probs),
+            BLOCK_B=block_b, BLOCK_V=block_v, N_PAD=n_pad, OUT_PAD=out_pad,
+            num_warps=num_warps, **opts,
+        )
     if not final:
         _verify_reduce_kernel[(n_prog,)](
             draft_tokens, sdt_b, num_drafts, tokens, num_emitted, pf, pi, acc, batch, n, n_split,
             BLOCK_B=block_b, S_PAD=next_pow2(n_split), OUT_PAD=out_pad, num_warps=num_warps,
         )
     return tokens, num_emitted
+
+
+def verify_standard_triton(
+    target_probs: Tensor,
+    draft_tokens: Tensor,
+    draft_probs: Tensor,
+    num_drafts: Tensor,
+    seeds: Tensor,
+    positions: Tensor,
+    accept_stream: int = STREAM_ACCEPT,
+    recover_stream: int = STREAM_RECOVER,
+    *,
+    block_v: int | None = None,
+    block_b: int | None = None,
+    splits: int | None = None,
+    num_warps: int = 4,
+) -> tuple[Tensor, Tensor]:
+    """``verify_probabilistic(target_probs, draft_tokens, draft_probs, num_drafts, seeds, positions,
+    "standard", accept_stream, recover_stream)``, fused (see the module docstring).
+
+    target_probs [B, N+1, V] f32; draft_tokens [B, N] int64; draft_probs [B, N, V] f32; num_drafts,
+    seeds, positions [B] int64 (num_drafts[b] in [0, N]; values outside are clamped). All on one
+    device. The probability tensors need unit stride over V (else they are copied); other dtypes are
+    converted (a copy: pass the documented dtypes inside a CUDA graph).
+    Returns (tokens [B, N+1] int64 padded with -1, num_emitted [B] int64).
+
+    Tuning (defaults by device): ``block_v`` vocabulary tile (1024 on CUDA, 128 in the interpreter);
+    ``block_b`` requests per program (1 on CUDA; up to 64 in the interpreter, where wide tiles are
+    cheap and programs are not); ``splits`` programs per request over the vocabulary (CUDA: enough
+    for ~2 programs per SM; interpreter: 1). One split is one launch, more are two.
+    """
+    return _verify_triton("standard", target_probs, draft_tokens, draft_probs, num_drafts, seeds, positions,
+                          accept_stream, recover_stream, block_v, block_b, splits, num_warps)
+
+
+def verify_block_triton(
+    target_probs: Tensor,
+    draft_tokens: Tensor,
+    draft_probs: Tensor,
+    num_drafts: Tensor,
+    seeds: Tensor,
+    positions: Tensor,
+    accept_stream: int = STREAM_ACCEPT,
+    recover_stream: int = STREAM_RECOVER,
+    *,
+    block_v: int | None = None,
+    block_b: int | None = None,
+    splits: int | None = None,
+    num_warps: int = 4,
+) -> tuple[Tensor, Tensor]:
+    """``verify_probabilistic(target_probs, draft_tokens, draft_probs, num_drafts, seeds, positions,
+    "block", accept_stream, recover_stream)``, fused (see the module docstring): the same arguments,
+    defaults and tuning knobs as ``verify_standard_triton``. One split is one launch, more are three
+    (two with N <= 1). The vocabulary tile ``block_v`` also fixes the summation order of the residual
+    masses R_i (hence, to the last bit, τ): the split count does not, so with the default layout
+    (``block_b`` 1 on CUDA) a request's tokens do not depend on the rest of its batch.
+    """
+    return _verify_triton("block", target_probs, draft_tokens, draft_probs, num_drafts, seeds, positions,
+                          accept_stream, recover_stream, block_v, block_b, splits, num_warps)

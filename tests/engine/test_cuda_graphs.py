@@ -97,9 +97,9 @@ def test_fused_standard_verification_matches_the_torch_path(target, drafter, pro
     kw = {"speculative_config": {"model": str(drafter), "draft_sample_method": "probabilistic"}}
     params = [SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=i) for i in range(3)]
     got, llm = _run(target, prompts, params, False, **kw)
-    from dspark.kernels.rejection import verify_standard_triton
+    from dspark.kernels.rejection import verify_block_triton, verify_standard_triton
 
-    assert llm.engine.runner._fused_verify is verify_standard_triton
+    assert llm.engine.runner._fused_verify == {"standard": verify_standard_triton, "block": verify_block_triton}
     ref = LLM(str(target), device="cpu", block_size=4, num_kv_blocks=64, attention_backend="torch", max_num_seqs=3,
               **kw)
     want = [o.token_ids for o in ref.generate(prompts, params)]
@@ -123,10 +123,10 @@ def test_failing_fused_verification_falls_back_to_torch(target, drafter, prompts
         calls.append(1)
         raise RuntimeError("no such instruction")
 
-    llm.engine.runner._fused_verify = broken
+    llm.engine.runner._fused_verify = {"standard": broken}
     with caplog.at_level("WARNING"):
         got = [o.token_ids for o in llm.generate(prompts, params)]
-    assert got == want and calls == [1] and llm.engine.runner._fused_verify is None
+    assert got == want and calls == [1] and llm.engine.runner._fused_verify == {}
     assert "fused verification kernel failed (RuntimeError: no such instruction)" in caplog.text
 
 
