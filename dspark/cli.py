@@ -23,7 +23,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help='DSpark speculation as JSON, vLLM keys: {"method": "dspark", "model": DRAFTER_DIR, '
                         '"num_speculative_tokens": N, "draft_sample_method": "greedy"|"probabilistic", '
                         '"rejection_sample_method": "standard"|"block"}; default: the drafter dspark ships '
-                        'for the model, if any (dspark/drafters)')
+                        'for the model, if any (dspark/drafters), drafting probabilistically, verifying '
+                        'sampled requests by block verification')
     p.add_argument("--no-spec", action="store_true", help="no speculative decoding (ignore the shipped drafter)")
     add_backend_args(p)
 

@@ -90,11 +90,14 @@ def test_graph_steps_match_eager_sampled(target, drafter, prompts):
     assert llm.engine.runner.graphs.stats["draft"] > 0 and st.num_accepted > 0
 
 
-def test_fused_standard_verification_matches_the_torch_path(target, drafter, prompts):
-    """The triton backend verifies probabilistic drafts with the fused kernel (kernels/rejection.py),
-    the torch backend with verify_probabilistic: seeded temperature-1 requests emit the same tokens
-    with the same acceptance counts (same Philox keys; fp32 logits agree to rounding)."""
-    kw = {"speculative_config": {"model": str(drafter), "draft_sample_method": "probabilistic"}}
+@pytest.mark.parametrize("method", ["standard", "block"])
+def test_fused_verification_matches_the_torch_path(target, drafter, prompts, method):
+    """The triton backend verifies probabilistic drafts with the method's fused kernel
+    (kernels/rejection.py), the torch backend with verify_probabilistic: seeded temperature-1 requests
+    emit the same tokens with the same acceptance counts (same Philox keys; fp32 logits agree to
+    rounding; block: barring a U_i within an ulp of h_i)."""
+    kw = {"speculative_config": {"model": str(drafter), "draft_sample_method": "probabilistic",
+                                 "rejection_sample_method": method}}
     params = [SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=i) for i in range(3)]
     got, llm = _run(target, prompts, params, False, **kw)
     from dspark.kernels.rejection import verify_block_triton, verify_standard_triton

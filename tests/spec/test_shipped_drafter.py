@@ -41,6 +41,7 @@ def test_shipped_drafter_files_fit_the_limits():
     assert (d / "README.md").is_file()  # the model card
     spec = default_speculative_config(None)
     assert spec["model"] == str(d) and spec["draft_sample_method"] == "probabilistic"
+    assert spec["rejection_sample_method"] == "block"
 
 
 @pytest.fixture(scope="module")
