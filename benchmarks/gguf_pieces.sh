@@ -7,7 +7,18 @@
 # back to back (the machine keeps /tmp only while warm, ~30 s between calls). The call that brings the
 # last piece joins them into /tmp/smollm.gguf and checks its sha256. The older two halves
 # (.model/smollm.gguf.part_aa/ab) are accepted too.
+#
+# A Triton kernel cache from an earlier session (.model/triton-cache.tar.gz, carried by any call, e.g.
+# with p30_ad) is unpacked into ~/.triton/cache once per machine: a fresh machine otherwise compiles
+# every kernel again (session 19: a bench process loaded in 138 s cold against 29 s warm, an
+# acceptance run's graph capture took ~180 s cold). Make one at the end of a session's last call:
+#     tar -C ~/.triton -czf "$OUT/triton-cache.tar.gz" cache      (returned files are at most 16 MiB)
+# Triton keys its cache on the kernel source, its version and the GPU, so entries of kernels changed
+# since are simply not hit.
 set -euo pipefail
+if [ -f .model/triton-cache.tar.gz ] && [ ! -d ~/.triton/cache ]; then
+  mkdir -p ~/.triton && tar -C ~/.triton -xzf .model/triton-cache.tar.gz && echo "triton cache: $(ls ~/.triton/cache | wc -l) entries"
+fi
 SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 for f in .model/smollm.gguf.p30_* .model/smollm.gguf.part_a?; do [ -f "$f" ] && cp "$f" /tmp/; done
 if [ ! -f /tmp/smollm.gguf ]; then

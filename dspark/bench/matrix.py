@@ -5,7 +5,11 @@ Three systems run the same token-id batches:
                 strongest setup: static cache + ``torch.compile`` on CUDA (``--hf-mode auto``), eager
                 on other devices (inductor needs a C++ toolchain there);
   dspark_plain  dspark without speculation;
-  dspark_spec   dspark with DSpark (the drafter dspark ships for the model, or --speculative-config).
+  dspark_spec   dspark with DSpark (the drafter dspark ships for the model, or --speculative-config);
+  dspark_spec_b optional (``--speculative-config-b``): a second DSpark configuration, e.g. the other
+                verification method or another drafter, so two configurations are compared in one
+                process with their timed calls interleaved (separate processes on a noisy host gave
+                the same plain cell 996 and 704 tok/s in session 19);
 over batch sizes x prompt sets (held-out ShareGPT, built-in code prompts) x temperatures (greedy, 1.0).
 
 One cell = (system, prompt set, temperature, batch size B): N prompts of the set (chat-templated;
@@ -55,7 +59,8 @@ import torch
 from dspark.bench.common import add_prompt_source_args, run_header
 from dspark.bench.prompts import CODE_PROMPTS
 
-SYSTEMS = ("hf", "dspark_plain", "dspark_spec")
+SYSTEMS = ("hf", "dspark_plain", "dspark_spec", "dspark_spec_b")
+SPEC_SYSTEMS = ("dspark_spec", "dspark_spec_b")
 PROMPT_SETS = ("sharegpt", "code")
 HF_MODES = ("auto", "eager", "static-compiled")
 # Defaults by device kind: the GPU run is the real figure, the CPU one a small smoke run.
@@ -88,6 +93,9 @@ def add_bench_matrix_arguments(p: argparse.ArgumentParser) -> None:
                    help="HF generate: eager (dynamic cache), static-compiled (static cache + torch.compile), "
                         "auto = static-compiled on CUDA, eager elsewhere (default: auto)")
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
+    p.add_argument("--speculative-config-b", default=None,
+                   help="JSON: a second DSpark system (dspark_spec_b) run side by side; its keys override the "
+                        'first configuration\'s, e.g. \'{"rejection_sample_method": "standard"}\'')
     p.add_argument("--json", default=None, help="write the results to this JSON file")
     p.add_argument("--plot-dir", default=None, help="write PNG plots (tok/s by batch size per system) here")
 
@@ -279,7 +287,7 @@ def add_speedups(cells: list[dict]) -> None:
     for c in cells:
         k = (c["prompt_set"], c["temperature"], c["batch_size"])
         plain, hf = by.get(("dspark_plain", *k)), by.get(("hf", *k))
-        if c["system"] == "dspark_spec" and plain is not None:
+        if c["system"] in SPEC_SYSTEMS and plain is not None:
             c["speedup_vs_plain"] = c["tok_s_total"] / plain["tok_s_total"]
         if c["system"] != "hf" and hf is not None:
             c["speedup_vs_hf"] = c["tok_s_total"] / hf["tok_s_total"]
@@ -293,10 +301,12 @@ def greedy_checks(cells: list[dict]) -> list[dict]:
     for (system, ps, b), h in by.items():
         if system != "dspark_plain":
             continue
-        spec, hf = by.get(("dspark_spec", ps, b)), by.get(("hf", ps, b))
-        out.append(dict(prompt_set=ps, batch_size=b,
-                        spec_identical_to_plain=None if spec is None else spec == h,
-                        hf_identical_to_plain=None if hf is None else hf == h))
+        spec, spec_b, hf = (by.get((name, ps, b)) for name in ("dspark_spec", "dspark_spec_b", "hf"))
+        g = dict(prompt_set=ps, batch_size=b, spec_identical_to_plain=None if spec is None else spec == h,
+                 hf_identical_to_plain=None if hf is None else hf == h)
+        if spec_b is not None:
+            g["spec_b_identical_to_plain"] = spec_b == h
+        out.append(g)
     return out
 
 
@@ -392,6 +402,18 @@ def run_bench_matrix(a: argparse.Namespace) -> int:
 
     kw = _engine_kwargs(a)
     spec = kw.pop("speculative_config", None)
+    spec_b = None  # the second DSpark configuration: the first one's keys, overridden by --speculative-config-b
+    if a.speculative_config_b is not None:
+        if spec is None:
+            raise ValueError("--speculative-config-b needs a first DSpark configuration (a shipped drafter or "
+                             "--speculative-config)")
+        try:
+            override = json.loads(a.speculative_config_b)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--speculative-config-b is not valid JSON: {e}") from None
+        if not isinstance(override, dict):
+            raise ValueError("--speculative-config-b must be a JSON object")
+        spec_b = (json.loads(spec) if isinstance(spec, str) else dict(spec)) | override
     kw.update(device=device, enable_prefix_caching=False, max_num_seqs=max(a.max_num_seqs, max(batch_sizes)))
     log = lambda msg: print(f"[bench] {msg}", file=sys.stderr, flush=True)  # noqa: E731
     t0 = time.perf_counter()
@@ -420,11 +442,18 @@ def run_bench_matrix(a: argparse.Namespace) -> int:
                 'add "draft_sample_method": "probabilistic" to --speculative-config to draft from q')
     else:
         log("no drafter for this model (and no --speculative-config): DSpark rows skipped")
+    spec_info_b = None
+    if spec_b is not None:
+        spec_b_llm = LLM(a.model, speculative_config=spec_b, **kw)
+        systems["dspark_spec_b"] = DsparkSystem(spec_b_llm)
+        labels["dspark_spec_b"] = "dspark + DSpark (b)"
+        spec_info_b = asdict(spec_b_llm.engine.spec_config) | {
+            "num_spec_tokens": spec_b_llm.engine.runner.num_spec_tokens}
     log(f"loaded {engine.model_name} on {device} ({engine.config.dtype}), systems {', '.join(labels.values())}, "
         f"in {time.perf_counter() - t0:.1f}s")
 
     prompts = {ps: prompt_ids(engine, texts[ps], num_prompts, max_prompt_tokens) for ps in prompt_sets}
-    slack = 1 + (spec_info["num_spec_tokens"] if spec_info else 0)
+    slack = 1 + max([i["num_spec_tokens"] for i in (spec_info, spec_info_b) if i] or [0])
     capacity = engine.runner.num_kv_blocks * engine.config.block_size
     for ps, p in prompts.items():
         if len(p) < num_prompts:
@@ -439,6 +468,7 @@ def run_bench_matrix(a: argparse.Namespace) -> int:
         "complete": False,  # the JSON is rewritten after every (prompt set, temperature, batch size)
         "hf_mode": hf_mode,
         "speculative_config": spec_info,
+        "speculative_config_b": spec_info_b,
         "batch_sizes": batch_sizes,
         "prompt_sets": {ps: {"num_prompts": len(p), "mean_prompt_tokens": statistics.mean(map(len, p))}
                         for ps, p in prompts.items()},
@@ -480,9 +510,10 @@ def run_bench_matrix(a: argparse.Namespace) -> int:
 
     print(format_table(cells))
     for g in res["greedy_checks"]:
-        if g["spec_identical_to_plain"] is False:
-            log(f"warning: greedy DSpark output differs from dspark without speculation "
-                f"({g['prompt_set']}, B={g['batch_size']})")
+        for k, what in (("spec_identical_to_plain", "DSpark"), ("spec_b_identical_to_plain", "DSpark (b)")):
+            if g.get(k) is False:
+                log(f"warning: greedy {what} output differs from dspark without speculation "
+                    f"({g['prompt_set']}, B={g['batch_size']})")
     if a.plot_dir:
         res["plots"] = write_plots(res, a.plot_dir)
         log(f"plots: {', '.join(res['plots'])}")

@@ -146,3 +146,31 @@ def test_cli_bench_and_bench_decode(tiny, one_thread):
 
 def test_code_prompts_are_32_distinct_requests():
     assert len(CODE_PROMPTS) == 32 and len(set(CODE_PROMPTS)) == 32
+
+
+def test_second_spec_configuration_side_by_side(tiny, one_thread, capsys):
+    """--speculative-config-b: a second DSpark system in the same process, its keys over the first's;
+    its cells get τ, speedup over the same plain cells and the greedy losslessness check."""
+    root, common, source = tiny
+    out = root / "spec_b.json"
+    assert main(["bench", *common, "--no-hf", "--batch-sizes", "2", "--max-tokens", "4", "--temperatures", "0,1",
+                 "--prompt-sets", "sharegpt", "--prompt-source", str(source), "--json", str(out),
+                 "--speculative-config-b", '{"num_speculative_tokens": 2, "draft_sample_method": "probabilistic",'
+                 ' "rejection_sample_method": "block"}']) == 0
+    res = json.loads(out.read_text())
+    assert res["speculative_config"]["num_spec_tokens"] == 3
+    b = res["speculative_config_b"]
+    assert b["num_spec_tokens"] == 2 and b["rejection_sample_method"] == "block" and b["model"] == res[
+        "speculative_config"]["model"]  # the drafter comes from the first configuration
+    cells = {(c["system"], c["temperature"]): c for c in res["cells"]}
+    assert set(cells) == {(s, t) for s in ("dspark_plain", "dspark_spec", "dspark_spec_b") for t in (0.0, 1.0)}
+    for t in (0.0, 1.0):
+        c, plain = cells[("dspark_spec_b", t)], cells[("dspark_plain", t)]
+        assert c["tau"] >= 1 and c["speedup_vs_plain"] == pytest.approx(c["tok_s_total"] / plain["tok_s_total"])
+    assert cells[("dspark_spec_b", 0.0)]["tokens_sha256"] == cells[("dspark_plain", 0.0)]["tokens_sha256"]
+    assert res["greedy_checks"][0]["spec_b_identical_to_plain"] is True
+    assert "dspark + DSpark (b)" in capsys.readouterr().out
+
+    # a bad second configuration is named before any engine loads
+    assert main(["bench", *common, "--no-hf", "--speculative-config-b", "[1]", "--prompt-source", str(source)]) != 0
+    assert "--speculative-config-b must be a JSON object" in capsys.readouterr().err
