@@ -35,8 +35,8 @@ def default_speculative_config(model: str | None) -> dict | None:
     lossless; block accepts at least as many drafts in expectation. Measured with the shipped drafter
     on the H200 at temperature 1 (docs/benchmarks.md, session 19): τ 1.96 → 2.12 at batch 1, 2.02 →
     2.12 at batch 32 (CPU: +4–9 % for the block-5 weights, +0.5 % for these on 24 prompts), for a fused
-    kernel costing 7–52 µs more per step than
-    standard's (1–3 % of a verification step). Greedy requests verify by argmax either way."""
+    kernel costing 7–52 µs more per step than standard's (1–3 % of a verification step). Greedy
+    requests verify by argmax either way."""
     d = shipped_drafter(model)
     if d is None:
         return None
