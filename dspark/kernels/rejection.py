@@ -229,7 +229,8 @@ def _verify_standard_kernel(
     a = tl.min(tl.where(accept, N_PAD, j), 1)  # first rejection (or N_b: no valid draft past it)
     a = tl.minimum(a, nb)
 
-    # (2), (3): the final token of norm(max(p_{a+1} - q_{a+1}, 0)) or p_{a+1}, and the output.
+    # (2), (3): the final token of norm(max(p_{a+1} - q_{a+1}, 0)) or p_{a+1}, and the output
+    # (``scale`` is read only with SCALED: any tensor will do here).
     _final_token(tp_ptr, stp_b, stp_r, dt_ptr, sdt_b, dp_ptr, sdp_b, sdp_r, out_ptr, nout_ptr, pf_ptr, pi_ptr, acc_ptr,
                  rows, rm, nb, seed, pos, a, ratio, s, N, V, NT, TPS, S, recover_stream,
                  SCALED=False, FINAL=FINAL, PRECISE=PRECISE, BLOCK_B=BLOCK_B, BLOCK_V=BLOCK_V, OUT_PAD=OUT_PAD)

@@ -178,18 +178,24 @@ def test_many_outcomes_one_batch() -> None:
     assert ties <= 1
 
 
-def test_strided_and_streams() -> None:
-    """Probability tensors that are slices (row strides not V), draft tokens as a column slice, and
-    non-default streams."""
-    B, N, V = 4, 3, 90
-    p, drafts, q, nd, seeds, pos = _inputs(B, N, V, seed=3)
+def _strided(p, drafts, q, q_fill: float) -> tuple[torch.Tensor, ...]:
+    """(p, drafts, q) as views of larger tensors: probability rows whose stride is not V, q on every
+    other row of a buffer filled with ``q_fill`` elsewhere, the drafts a column slice."""
+    B, N, V = q.shape
     p_big = torch.zeros(B, N + 3, V + 5)
     p_big[:, 1:N + 2, :V] = p
-    q_big = torch.zeros(B, 2 * N, V + 3)
+    q_big = torch.full((B, 2 * N, V + 3), q_fill)
     q_big[:, ::2, :V] = q
     d_big = torch.zeros(B, N + 2, dtype=torch.int64)
     d_big[:, 1:N + 1] = drafts
-    args = (p_big[:, 1:N + 2, :V], d_big[:, 1:N + 1], q_big[:, ::2, :V], nd, seeds, pos)
+    return p_big[:, 1:N + 2, :V], d_big[:, 1:N + 1], q_big[:, ::2, :V]
+
+
+def test_strided_and_streams() -> None:
+    """Probability tensors that are slices (row strides not V), draft tokens as a column slice, and
+    non-default streams."""
+    p, drafts, q, nd, seeds, pos = _inputs(4, 3, 90, seed=3)
+    args = _strided(p, drafts, q, 0.0) + (nd, seeds, pos)
     ref = verify_probabilistic(*args, "standard", accept_stream=6, recover_stream=7)
     ours = verify_standard_triton(*args, accept_stream=6, recover_stream=7, block_v=32, splits=2)
     assert _assert_same((p, drafts, q, nd, seeds, pos), ours, ref, recover_stream=7) <= 1
@@ -368,15 +374,8 @@ def test_block_many_outcomes(kinds: tuple[int, ...], spread: float, sharp: float
 def test_block_strided_and_streams() -> None:
     """Slices as in test_strided_and_streams (row strides not V, a column slice of draft tokens),
     non-default streams, through the split path."""
-    B, N, V = 4, 4, 90
-    p, drafts, q, nd, seeds, pos = _inputs(B, N, V, seed=5, kinds=(0, 3, 2), spread=0.4)
-    p_big = torch.zeros(B, N + 3, V + 5)
-    p_big[:, 1:N + 2, :V] = p
-    q_big = torch.full((B, 2 * N, V + 3), float("nan"))
-    q_big[:, ::2, :V] = q
-    d_big = torch.zeros(B, N + 2, dtype=torch.int64)
-    d_big[:, 1:N + 1] = drafts
-    args = (p_big[:, 1:N + 2, :V], d_big[:, 1:N + 1], q_big[:, ::2, :V], nd, seeds, pos)
+    p, drafts, q, nd, seeds, pos = _inputs(4, 4, 90, seed=5, kinds=(0, 3, 2), spread=0.4)
+    args = _strided(p, drafts, q, float("nan")) + (nd, seeds, pos)
     ref = verify_probabilistic(*args, "block", accept_stream=6, recover_stream=7)
     ours = verify_block_triton(*args, accept_stream=6, recover_stream=7, block_v=32, splits=2)
     assert sum(_assert_same_block((p, drafts, q, nd, seeds, pos), ours, ref, 6, 7)) <= 1
