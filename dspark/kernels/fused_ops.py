@@ -169,7 +169,7 @@ def _rope_cache_kernel(
     Hq, Hkv,
     D: tl.constexpr, HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr,
     HAS_Q: tl.constexpr, ROPE: tl.constexpr, HAS_QNORM: tl.constexpr, HAS_KNORM: tl.constexpr,
-    HAS_VALID: tl.constexpr, WRITE_KOUT: tl.constexpr,
+    HAS_VALID: tl.constexpr, WRITE_KOUT: tl.constexpr, WRITE_CACHE: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, D)
@@ -203,15 +203,16 @@ def _rope_cache_kernel(
         x = _rope(x, xr, c, s)
     if WRITE_KOUT:
         tl.store(ko_ptr + (t * Hkv + h[:, None]) * D + d[None, :], x, mask=hm)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    ok = slot >= 0
-    if HAS_VALID:
-        ok = ok & (tl.load(valid_ptr + t) != 0)
-    wm = hm & ok
-    cache_off = slot * sc_slot + h[:, None] * sc_head + d[None, :]
-    tl.store(kc_ptr + cache_off, cast_rtne(x.to(tl.float32), kc_ptr.dtype.element_ty), mask=wm)
-    v = tl.load(v_ptr + t * sv_t + h[:, None] * sv_h + d[None, :], mask=wm, other=0.0)
-    tl.store(vc_ptr + cache_off, cast_rtne(v.to(tl.float32), vc_ptr.dtype.element_ty), mask=wm)
+    if WRITE_CACHE:
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        ok = slot >= 0
+        if HAS_VALID:
+            ok = ok & (tl.load(valid_ptr + t) != 0)
+        wm = hm & ok
+        cache_off = slot * sc_slot + h[:, None] * sc_head + d[None, :]
+        tl.store(kc_ptr + cache_off, cast_rtne(x.to(tl.float32), kc_ptr.dtype.element_ty), mask=wm)
+        v = tl.load(v_ptr + t * sv_t + h[:, None] * sv_h + d[None, :], mask=wm, other=0.0)
+        tl.store(vc_ptr + cache_off, cast_rtne(v.to(tl.float32), vc_ptr.dtype.element_ty), mask=wm)
 
 
 def _cache_strides(cache: Tensor) -> tuple[int, int]:
@@ -232,7 +233,8 @@ def _launch_rope(q, k, v, positions, cos, sin_signed, k_cache, v_cache, slots, v
         raise ValueError(f"head_dim {D} must be an even power of two")
     dev = k.device
     k = _heads(k)
-    v = _heads(v)
+    cache = k_cache is not None  # None: rotate only (rope_qk), v unused
+    v = _heads(v) if cache else k
     Hq = q.shape[1] if q is not None else 1
     if q is not None:
         q = _heads(q)
@@ -245,10 +247,14 @@ def _launch_rope(q, k, v, positions, cos, sin_signed, k_cache, v_cache, slots, v
         if sin_signed.stride() != cos.stride():
             sin_signed = sin_signed.contiguous()
             cos = cos.contiguous()
-    sc_slot, sc_head = _cache_strides(k_cache)
-    if _cache_strides(v_cache) != (sc_slot, sc_head):
-        raise ValueError("K and V caches must have the same layout")
     dummy = k
+    sc_slot = sc_head = 0
+    if cache:
+        sc_slot, sc_head = _cache_strides(k_cache)
+        if _cache_strides(v_cache) != (sc_slot, sc_head):
+            raise ValueError("K and V caches must have the same layout")
+    else:
+        k_cache = v_cache = slots = dummy
     if T:
         _rope_cache_kernel[(T,)](
             q if q is not None else dummy, q.stride(0) if q is not None else 0, q.stride(1) if q is not None else 0,
@@ -261,7 +267,7 @@ def _launch_rope(q, k, v, positions, cos, sin_signed, k_cache, v_cache, slots, v
             Hq, Hkv,
             D=D, HQ_PAD=next_pow2(Hq), HKV_PAD=next_pow2(Hkv),
             HAS_Q=q is not None, ROPE=rope, HAS_QNORM=q_norm is not None, HAS_KNORM=k_norm is not None,
-            HAS_VALID=valid is not None, WRITE_KOUT=write_kout,
+            HAS_VALID=valid is not None, WRITE_KOUT=write_kout, WRITE_CACHE=cache,
             num_warps=4 if D * next_pow2(max(Hq, Hkv)) <= 4096 else 8, **_launch_opts(k),
         )
     return q_out, k_out
@@ -280,24 +286,40 @@ def rope_qk_cache(
                         q_norm, k_norm, eps, write_kout=True)
 
 
+def rope_qk(q: Tensor, k: Tensor, positions: Tensor, cos: Tensor, sin_signed: Tensor,
+            q_norm: Tensor | None = None, k_norm: Tensor | None = None, eps: float = 1e-6) -> tuple[Tensor, Tensor]:
+    """rope_qk_cache without a cache: (q, k) after the optional per-head norms and RoPE, contiguous
+    [T, H, D], in one launch (the DSpark drafter's block rows, whose K/V are not cached)."""
+    check_device(k)
+    return _launch_rope(q, k, None, positions, cos, sin_signed, None, None, None, None, q_norm, k_norm, eps,
+                        write_kout=True)
+
+
+def rope_qk_reference(q: Tensor, k: Tensor, positions: Tensor, cos: Tensor, sin_signed: Tensor,
+                      q_norm: Tensor | None = None, k_norm: Tensor | None = None,
+                      eps: float = 1e-6) -> tuple[Tensor, Tensor]:
+    """The eager path of rope_qk: q/k norm, then apply_rope with RotaryEmbedding.cos_sin's tables."""
+    dt = k.dtype
+    cs = (cos[positions].to(dt)[:, None, :], sin_signed[positions].to(dt)[:, None, :])
+    if q_norm is not None:
+        q = rms_norm_reference(q, q_norm, eps)
+    if k_norm is not None:
+        k = rms_norm_reference(k, k_norm, eps)
+    return apply_rope(q, *cs).contiguous(), apply_rope(k, *cs).contiguous()
+
+
 def rope_qk_cache_reference(
     q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cos: Tensor, sin_signed: Tensor,
     k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
     q_norm: Tensor | None = None, k_norm: Tensor | None = None, eps: float = 1e-6,
 ) -> tuple[Tensor, Tensor]:
     """The eager path: Attention.forward's q/k norm + apply_rope, then the backend's index_copy_."""
-    dt = k.dtype
-    cs = (cos[positions].to(dt)[:, None, :], sin_signed[positions].to(dt)[:, None, :])  # RotaryEmbedding.cos_sin
-    if q_norm is not None:
-        q = rms_norm_reference(q, q_norm, eps)
-    if k_norm is not None:
-        k = rms_norm_reference(k, k_norm, eps)
-    q, k = apply_rope(q, *cs), apply_rope(k, *cs)
+    q, k = rope_qk_reference(q, k, positions, cos, sin_signed, q_norm, k_norm, eps)
     keep = slot_mapping >= 0
     Hkv, D = k.shape[1], k.shape[2]
     k_cache.view(-1, Hkv, D).index_copy_(0, slot_mapping[keep], k[keep].to(k_cache.dtype))
     v_cache.view(-1, Hkv, D).index_copy_(0, slot_mapping[keep], v[keep].to(v_cache.dtype))
-    return q.contiguous(), k.contiguous()
+    return q, k
 
 
 def store_context_kv(
@@ -379,6 +401,6 @@ def silu_and_mul_reference(gate_up: Tensor) -> Tensor:
 
 __all__ = [
     "add_rms_norm", "add_rms_norm_reference", "rms_norm", "rms_norm_reference",
-    "rope_qk_cache", "rope_qk_cache_reference", "silu_and_mul", "silu_and_mul_reference",
+    "rope_qk", "rope_qk_reference", "rope_qk_cache", "rope_qk_cache_reference", "silu_and_mul", "silu_and_mul_reference",
     "store_context_kv", "store_context_kv_reference",
 ]

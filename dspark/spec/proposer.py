@@ -56,6 +56,10 @@ class DSparkProposer:
         self.tap_layers = c.target_layer_ids
         self.sampler = Sampler()
         self.kv: torch.Tensor | None = None  # [L_d, 2, num_blocks, block_size, Hkv, D]
+        self._ctx_kv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # _context_kv_weight
+        # [N, H] hidden -> [N, V] fp32 logits: the target's compute_logits when the factory builds the
+        # proposer (on CUDA from its half-precision lm_head copy, fp32 accumulation), else base_logits
+        self.logits = drafter.base_logits
 
     def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
         c = self.drafter.config
@@ -68,6 +72,8 @@ class DSparkProposer:
         self.block_size = block_size
         self.kv = torch.zeros(c.num_hidden_layers, 2, num_blocks, block_size, c.num_key_value_heads, c.head_dim,
                               dtype=w.dtype, device=w.device)
+        self._ctx_kv = None
+        self._context_kv_weight()  # now, not inside a CUDA graph capture
 
     @torch.inference_mode()
     def write_context(self, taps: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
@@ -126,52 +132,73 @@ class DSparkProposer:
     # ------------------------------------------------------------------ Triton path
     def _write_context_triton(self, taps: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                               valid: torch.Tensor | None = None) -> None:
-        """write_context through fused_ops.store_context_kv: DrafterLayer.context_kv's projection in
-        torch, then k_norm + RoPE + the paged store in one kernel per drafter layer."""
-        from dspark.kernels.fused_ops import store_context_kv
+        """write_context through fused_ops: DrafterLayer.context_kv's projections (fc, then every drafter
+        layer's K|V in one GEMM), the hidden norm as one kernel, then k_norm + RoPE + the paged store in
+        one kernel per drafter layer."""
+        from dspark.kernels.fused_ops import rms_norm, store_context_kv
 
         d = self.drafter
-        ctx = d.hidden_norm(d.fc(taps))
+        ctx = rms_norm(d.fc(taps), d.hidden_norm.weight, d.hidden_norm.eps)
+        w, bias = self._context_kv_weight()
+        kv_all = ctx @ w
+        if bias is not None:
+            kv_all = kv_all + bias
         for l, layer in enumerate(d.layers):
-            kv = ctx @ layer.qkv_proj.weight_t[:, layer.q_size:]
-            if layer.qkv_proj.bias is not None:
-                kv = kv + layer.qkv_proj.bias[layer.q_size:]
+            width = 2 * layer.kv_size
+            kv = kv_all[:, l * width:(l + 1) * width]
             k, v = kv.view(-1, 2 * layer.num_kv_heads, layer.head_dim).split(layer.num_kv_heads, dim=1)
             kn = layer.k_norm
             store_context_kv(k, v, self.kv[l, 0], self.kv[l, 1], slots, valid, positions, d.rope.cos,
                              d.rope.sin_signed, kn.weight if kn is not None else None,
                              kn.eps if kn is not None else 1e-6)
 
+    def _context_kv_weight(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Every drafter layer's K|V projection side by side, [H, L·2·kv] (and its bias): the context
+        store's projections as one GEMM. Built by allocate_cache (the weights are loaded by then)."""
+        if self._ctx_kv is None:
+            layers = self.drafter.layers
+            w = torch.cat([layer.qkv_proj.weight_t[:, layer.q_size:] for layer in layers], dim=1)
+            bias = None
+            if layers[0].qkv_proj.bias is not None:
+                bias = torch.cat([layer.qkv_proj.bias[layer.q_size:] for layer in layers])
+            self._ctx_kv = (w, bias)
+        return self._ctx_kv
+
     def _block_hidden_triton(self, anchors: torch.Tensor, anchor_pos: torch.Tensor, block_tables: torch.Tensor,
                              num_slots: int, max_ctx_len: int | None = None) -> torch.Tensor:
-        """DSparkDrafter.block_hidden with each layer's attention done by drafter_attention straight
-        over the paged context cache (no gather of the context, no mask): [B, num_slots, H]."""
+        """DSparkDrafter.block_hidden on the fused kernels, [B * num_slots, H] (final-normed): each
+        layer's attention is drafter_attention straight over the paged context cache (no gather, no
+        mask), the residual adds are fused into the next RMSNorm (add_rms_norm, as the target's
+        forward_fused), q/k norm + RoPE is one kernel (rope_qk), SwiGLU one (silu_and_mul). Per layer:
+        4 GEMMs + 5 kernels; the same roundings as the PyTorch path (the kernels' tests check them)."""
         from dspark.kernels.drafter_attention import drafter_attention
+        from dspark.kernels.fused_ops import add_rms_norm, rope_qk, silu_and_mul
 
         d = self.drafter
         B, G = anchors.shape[0], num_slots
         tokens = torch.full((B, G), d.config.mask_token_id, dtype=torch.long, device=anchors.device)
         tokens[:, 0] = anchors
-        h = d.embed_tokens(tokens)  # [B, G, H]
-        H = h.shape[-1]
+        h = d.embed_tokens(tokens).view(B * G, -1)  # [B·G, H]: the residual stream
         pos = (anchor_pos[:, None] + torch.arange(G, device=anchors.device)[None, :]).reshape(-1)
-        cos_sin = d.rope.cos_sin(pos, h.dtype)
+        norm = d.layers[0].input_layernorm if len(d.layers) else d.norm
+        x, h = add_rms_norm(h, None, norm.weight, norm.eps)
         for l, layer in enumerate(d.layers):  # DrafterLayer.forward, attention swapped
-            x = layer.input_layernorm(h).view(B * G, H)
-            q, k, v = layer.qkv_proj(x).split([layer.q_size, layer.kv_size, layer.kv_size], dim=-1)
-            q = q.view(B * G, layer.num_heads, layer.head_dim)
-            k = k.view(B * G, layer.num_kv_heads, layer.head_dim)
-            if layer.q_norm is not None:
-                q, k = layer.q_norm(q), layer.k_norm(k)
-            q = apply_rope(q, *cos_sin).view(B, G, layer.num_heads, layer.head_dim).contiguous()
-            k = apply_rope(k, *cos_sin).view(B, G, layer.num_kv_heads, layer.head_dim).contiguous()
-            v = v.reshape(B, G, layer.num_kv_heads, layer.head_dim).contiguous()
-            o = drafter_attention(q, k, v, self.kv[l, 0], self.kv[l, 1], block_tables, anchor_pos,
-                                  layer.head_dim**-0.5, max_ctx_len=max_ctx_len)  # [B, γ, Hq, D]
-            h = h + layer.o_proj(o.reshape(B * G, layer.q_size)).view(B, G, H)
-            x = layer.post_attention_layernorm(h)
-            h = h + layer.down_proj(silu_and_mul(layer.gate_up_proj(x.view(B * G, H)))).view(B, G, H)
-        return d.norm(h)
+            qs, ks = layer.q_size, layer.kv_size
+            qkv = layer.qkv_proj(x)
+            qn, kn = layer.q_norm, layer.k_norm
+            q, k = rope_qk(qkv[:, :qs].view(B * G, layer.num_heads, layer.head_dim),
+                           qkv[:, qs:qs + ks].view(B * G, layer.num_kv_heads, layer.head_dim), pos,
+                           d.rope.cos, d.rope.sin_signed, qn.weight if qn is not None else None,
+                           kn.weight if kn is not None else None, kn.eps if kn is not None else 1e-6)
+            v = qkv[:, qs + ks:].view(B, G, layer.num_kv_heads, layer.head_dim)
+            o = drafter_attention(q.view(B, G, layer.num_heads, layer.head_dim),
+                                  k.view(B, G, layer.num_kv_heads, layer.head_dim), v, self.kv[l, 0], self.kv[l, 1],
+                                  block_tables, anchor_pos, layer.head_dim**-0.5, max_ctx_len=max_ctx_len)
+            post = layer.post_attention_layernorm
+            x, h = add_rms_norm(layer.o_proj(o.view(B * G, qs)), h, post.weight, post.eps)
+            norm = d.layers[l + 1].input_layernorm if l + 1 < len(d.layers) else d.norm
+            x, h = add_rms_norm(layer.down_proj(silu_and_mul(layer.gate_up_proj(x))), h, norm.weight, norm.eps)
+        return x
 
     def propose_fixed(self, anchors, anchor_pos, block_tables, num_drafts, batch, prob_mask: torch.Tensor,
                       any_prob: bool, max_ctx_len: int | None = None, probs_out: torch.Tensor | None = None) -> Proposal:
@@ -194,8 +221,9 @@ class DSparkProposer:
         from dspark.kernels.markov_sampler import markov_sample
 
         d = self.drafter
-        h = self._block_hidden_triton(anchors, anchor_pos, block_tables, self.num_slots, max_ctx_len)  # [B, γ, H]
-        U = d.base_logits(h[:, :num_drafts])  # [B, N, V] fp32
+        B, G = anchors.shape[0], self.num_slots
+        h = self._block_hidden_triton(anchors, anchor_pos, block_tables, G, max_ctx_len).view(B, G, -1)
+        U = self.logits(h[:, :num_drafts].reshape(B * num_drafts, -1)).view(B, num_drafts, -1)  # [B, N, V] fp32
         w1 = d.markov_w1.weight if d.markov_w1 is not None else None
         w2_t = d.markov_w2.weight_t if d.markov_w2 is not None else None
         tokens, probs = markov_sample(U, anchors, w1, w2_t, batch, anchor_pos + 1, list(probabilistic),
@@ -250,4 +278,6 @@ class DSparkProposerFactory:
 
         drafter, self.notes = load_drafter(self.spec.model, self.target_config, model.embed_tokens, model.lm_head,
                                            self.max_positions, self.dtype, torch.device(self.device))
-        return DSparkProposer(drafter)
+        proposer = DSparkProposer(drafter)
+        proposer.logits = model.compute_logits
+        return proposer

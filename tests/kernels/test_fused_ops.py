@@ -22,8 +22,10 @@ from dspark.kernels.fused_ops import (  # noqa: E402
     add_rms_norm,
     add_rms_norm_reference,
     rms_norm,
+    rope_qk,
     rope_qk_cache,
     rope_qk_cache_reference,
+    rope_qk_reference,
     silu_and_mul,
     silu_and_mul_reference,
     store_context_kv,
@@ -111,6 +113,11 @@ def test_rope_qk_cache(dtype: torch.dtype, Hq: int, Hkv: int, D: int, qk_norm: b
     written = torch.zeros(num_blocks * bs, dtype=torch.bool)
     written[slots[slots >= 0]] = True
     assert bool((caches[0].view(-1, Hkv, D)[~written] == 7.0).all())
+    # rope_qk (the drafter's block rows): the same rotation, no cache written, strided inputs
+    q2, k2 = rope_qk(q, k, positions, rope.cos, rope.sin_signed, q_norm, k_norm, 1e-6)
+    assert torch.equal(q2, q_out) and torch.equal(k2, k_out) and q2.is_contiguous() and k2.is_contiguous()
+    q3, k3 = rope_qk_reference(q, k, positions, rope.cos, rope.sin_signed, q_norm, k_norm, 1e-6)
+    assert torch.equal(q3, q_ref) and torch.equal(k3, k_ref)
     if not qk_norm:  # the reference is the eager Attention path: cos_sin + apply_rope
         cs = rope.cos_sin(positions, dtype)
         _close(q_out, apply_rope(q, *cs))
