@@ -29,6 +29,7 @@ Writes OUT_DIR/continuous_profile.json and prints a summary.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -61,7 +62,8 @@ def profile_system(llm: LLM, prompts: list[list[int]], batch: int, max_tokens: i
     """Every ``engine.step()`` is timed (device-synchronised before and after when ``sync``) and filed under
     what it ran: ``execute:graph|split|eager`` (a synchronous step, classified), ``launch_spec`` /
     ``launch`` (a DSpark / plain step launched for async scheduling; its tokens are read back in the next
-    call), joined with "+" when one call does several (an async call reads back step t and launches t+1)."""
+    call; ``launch_spec_prefill``: with prompts as prefill rows; ``_first``: launched with no step in
+    flight), joined with "+" when one call does several (an async call reads back step t and launches t+1)."""
     engine, runner = llm.engine, llm.engine.runner
     engine.scheduler.max_num_seqs = batch
     stats: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
@@ -81,7 +83,9 @@ def profile_system(llm: LLM, prompts: list[list[int]], batch: int, max_tokens: i
         return saved["execute"](sched, kv)
 
     def launch_one_sync(sched, kv, prev):
-        current.append("launch_spec")
+        # launch_spec_prefill: prompts admitted as prefill rows (on top of the step in flight when prev)
+        prefill = any(not runner.graphs._decode_row(s) for s in sched.scheduled)
+        current.append("launch_spec" + ("_prefill" if prefill else "") + ("" if prev is not None else "_first"))
         count(sched.scheduled)
         return saved["launch_one_sync"](sched, kv, prev)
 
@@ -111,14 +115,41 @@ def profile_system(llm: LLM, prompts: list[list[int]], batch: int, max_tokens: i
 
     runner.execute, runner.launch_one_sync, runner.launch = execute, launch_one_sync, launch
     engine.step = step
+    # host timers: wall time inside these functions (an async step's finish_one_sync includes waiting for
+    # the device, i.e. the GPU-bound share); nested ones are counted in their callers too
+    timers: dict[str, float] = defaultdict(float)
+    timed = [(runner, "launch_one_sync"), (runner, "finish_one_sync"), (engine.scheduler, "schedule_on_top"),
+             (engine.scheduler, "update"), (engine.scheduler, "schedule"), (engine, "_apply"), (engine, "_outputs"),
+             (runner.graphs, "prepare_target"), (runner.graphs, "prepare_draft"), (runner.graphs, "upload"),
+             (runner.graphs, "rows_from_previous_step"), (runner.graphs, "drafter_inputs_on_device"),
+             (runner.graphs, "replay_target"), (runner.graphs, "replay_draft"), (runner, "_sampling_batch"),
+             (runner, "_verify_sampled"), (runner, "_prefill_outcome"), (engine.kv, "truncate")]
+    originals = []
+    for obj, name in timed:
+        if obj is None or not hasattr(obj, name):
+            continue
+        fn = getattr(obj, name)
+        originals.append((obj, name, fn))
+
+        def wrapped(*a, _fn=fn, _name=name, **k):
+            t = time.perf_counter()
+            try:
+                return _fn(*a, **k)
+            finally:
+                timers[_name] += time.perf_counter() - t
+
+        setattr(obj, name, wrapped)
     try:
         p = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True)
+        gc.collect()
         _sync()
         t0 = time.perf_counter()
         outs = llm.generate(prompts, p)
         _sync()
         wall = time.perf_counter() - t0
     finally:
+        for obj, name, fn in reversed(originals):
+            setattr(obj, name, fn)
         for name, fn in saved.items():
             setattr(runner, name, fn)
         engine.step = saved_step
@@ -133,7 +164,8 @@ def profile_system(llm: LLM, prompts: list[list[int]], batch: int, max_tokens: i
     _OUTPUTS[(id(llm), sync)] = [list(o.token_ids) for o in outs]
     return {"sync": sync, "tokens": n, "wall_s": round(wall, 3), "tok_s": round(n / wall, 1), "step_calls": calls,
             "ms_per_call": round(1e3 * wall / max(calls, 1), 3),
-            "step_share": round(sum(v["total_s"] for v in kinds.values()) / wall, 3), "kinds": kinds}
+            "step_share": round(sum(v["total_s"] for v in kinds.values()) / wall, 3), "kinds": kinds,
+            "host_ms_per_step_call": {k: round(1e3 * v / max(calls, 1), 3) for k, v in sorted(timers.items(), key=lambda kv: -kv[1])}}
 
 
 _OUTPUTS: dict = {}  # (id(llm), sync) -> token ids per prompt, for the cross-system agreement count
@@ -153,8 +185,10 @@ def main() -> None:
                          '{"method": "dspark"} drafts greedily, which at T=1 accepts far less (tau 1.32 vs 1.86)')
     ap.add_argument("--device", default="cuda", help="cuda; cpu for a smoke run (fp32, tiny sizes)")
     ap.add_argument("--systems", default="plain,dspark",
-                    help="which of plain,dspark,dspark-eager-prefill to profile (the last: DSpark with "
-                         "graph_prefill_tokens=0, admissions' prefill eager as before session 16)")
+                    help="which of plain,dspark,dspark-eager-prefill,dspark-sync-admit to profile "
+                         "(dspark-eager-prefill: graph_prefill_tokens=0, admissions' prefill eager as before "
+                         "session 16; dspark-sync-admit: admissions never launched on top of the step in "
+                         "flight, LLMEngine.admit_on_top=False, as before session 20)")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -168,15 +202,19 @@ def main() -> None:
     spec = json.loads(a.speculative_config) if a.speculative_config else default_speculative_config(a.model)
     spec = json.loads(spec) if isinstance(spec, str) else spec
     tokens: dict[str, list[list[int]]] = {}
-    systems = {"plain": (None, 512), "dspark": (spec, 512), "dspark-eager-prefill": (spec, 0)}
+    systems = {"plain": (None, 512), "dspark": (spec, 512), "dspark-eager-prefill": (spec, 0),
+               "dspark-sync-admit": (spec, 512)}
     for name in a.systems.split(","):
         spec, prefill_tokens = systems[name]
         cuda = a.device == "cuda"
         llm = LLM(a.model, device=a.device, dtype="bfloat16" if cuda else "float32", max_model_len=2048,
                   max_num_seqs=a.batch, kv_cache_memory_gb=16 if cuda else 0.5, enable_prefix_caching=False,
                   speculative_config=spec, graph_prefill_tokens=prefill_tokens)
+        llm.engine.admit_on_top = name != "dspark-sync-admit"
         prompts = [llm.engine.tokenize_chat([{"role": "user", "content": t}]) for t in texts]
         llm.generate(prompts, SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens, ignore_eos=True))  # warm-up
+        gc.collect()
+        gc.freeze()  # the engine out of the collector's sight while it runs, as dspark bench / serve do
         row = {"async": profile_system(llm, prompts, a.batch, a.max_tokens, sync=False, temperature=a.temperature),
                "synced": profile_system(llm, prompts, a.batch, a.max_tokens, sync=True, temperature=a.temperature)}
         if spec:
@@ -188,6 +226,7 @@ def main() -> None:
         res[name] = row
         print(name, json.dumps(row, indent=1), flush=True)
         (out / "continuous_profile.json").write_text(json.dumps(res, indent=1))
+        gc.unfreeze()
         del llm
         if cuda:
             torch.cuda.empty_cache()

@@ -159,7 +159,6 @@ class StepGraphs:
         temperature, top_p, min_p = (self.floats[i * Bm:(i + 1) * Bm] for i in range(3))
         self.valid, self.prob_mask = self.flags[:Tm], self.flags[Tm:]
         self.query_start_loc = (torch.arange(Bm + 1, dtype=torch.int32) * q).to(dev)
-        self.row_index = torch.arange(q, device=dev)  # [q], a request's rows 0..q-1
         self.ones = torch.ones(Bm, dtype=torch.int64, device=dev)  # one token emitted per plain decode row
         # Outputs every graph of a kind shares (a graph's other outputs are small): the target's fp32
         # logits and the drafts' q. Each is read before the next replay of its kind (stream order).
@@ -181,7 +180,9 @@ class StepGraphs:
         self.draft: dict[tuple[int, int, bool], _Captured] = {}
         self.pool = None
         # replays; steps on the runner's one-sync path; steps launched before the previous one was read back
-        self.stats = {"target": 0, "draft": 0, "one_sync": 0, "async": 0}
+        # steps replayed; one-sync steps; steps launched on top of another (async), of which with
+        # prompts admitted as prefill rows (async_admit)
+        self.stats = {"target": 0, "draft": 0, "one_sync": 0, "async": 0, "async_admit": 0}
 
     def _use_set(self, k: int) -> None:
         self._set = k
@@ -444,22 +445,19 @@ class StepGraphs:
         """The context bucket a step whose longest request reaches ``context`` tokens replays."""
         return _pick(self.buckets, context)
 
-    def rows_from_previous_step(self, B: int, shift: torch.Tensor, anchors: torch.Tensor, drafts: torch.Tensor) -> None:
+    def rows_from_previous_step(self, B: int, n_out: torch.Tensor, anchors: torch.Tensor, drafts: torch.Tensor,
+                                idx: torch.Tensor | None = None) -> None:
         """Async scheduling with DSpark (ModelRunner.launch_one_sync with ``prev``): after ``upload``, move
-        the first B requests' rows by ``shift`` [B] (n_out of the previous step - q, <= 0: the host
-        wrote them for the worst case) — positions, seq_lens, tokens before the step — recompute their
-        cache slots from the uploaded block tables, and write their input ids: the new anchor, then
-        the drafts made from it."""
-        q, bs = self.q, self.block_size
-        pos = self.positions[:B * q].view(B, q)
-        pos += shift[:, None]
-        self.seq_lens[:B] += shift.to(self.seq_lens.dtype)
-        self.num_tokens[:B] += shift
-        blk = self.block_tables[:B].gather(1, pos // bs)
-        self.slot_mapping[:B * q].view(B, q).copy_(blk * bs + pos % bs)
-        ids = self.input_ids[:B * q].view(B, q)
-        ids[:, 0] = anchors
-        ids[:, 1:] = drafts
+        the first B requests' rows by n_out - q (<= 0; n_out of the previous step: the host wrote them for
+        the worst case) — positions, seq_lens, tokens before the step — recompute their cache slots from
+        the uploaded block tables, and write their input ids: the new anchor, then the drafts made from
+        it. ``idx`` [B]: each request's row in the previous step's n_out / anchors / drafts (None: row b).
+        One launch (kernels/spec_step.py: shift_rows, whose reference is the torch version)."""
+        from dspark.kernels.spec_step import shift_rows
+
+        q = self.q
+        shift_rows(self.positions[:B * q], self.slot_mapping[:B * q], self.input_ids[:B * q], self.seq_lens[:B],
+                   self.num_tokens[:B], self.block_tables[:B], q, self.block_size, n_out, anchors, drafts, idx)
 
     def drafter_inputs_on_device(self, Bg: int, out: torch.Tensor, n_out: torch.Tensor,
                                  commit: torch.Tensor | None = None) -> None:
@@ -467,16 +465,12 @@ class StepGraphs:
         out[b, :n_out[b]], so its first n_out[b] rows are committed (the anchor row and the accepted
         drafts), the new anchor is its last emitted token, at position num_tokens[b] + n_out[b] - 1.
         ``commit`` [B] (steps with prefill rows): the committed rows where they are not n_out (a prefill
-        row commits all its real rows and emits one token, its last row of a sampling chunk, or none)."""
-        B, q = out.shape[0], self.q
-        valid = self.valid[:Bg * q].view(Bg, q)
-        valid.zero_()
-        valid[:B] = self.row_index[None, :] < (n_out if commit is None else commit)[:, None]
-        self.anchors[:Bg].zero_()
-        self.anchor_pos[:Bg].zero_()
-        last = n_out - 1 if commit is None else (n_out - 1).clamp(min=0)  # rows emitting nothing draft unread
-        self.anchors[:B] = out.gather(1, last[:, None]).squeeze(1)
-        self.anchor_pos[:B] = self.num_tokens[:B] + last
+        row commits all its real rows and emits one token, its last row of a sampling chunk, or none).
+        One launch (kernels/spec_step.py: drafter_inputs)."""
+        from dspark.kernels.spec_step import drafter_inputs
 
+        q = self.q
+        drafter_inputs(out, n_out, commit, self.num_tokens[:Bg], self.valid[:Bg * q], self.anchors[:Bg],
+                       self.anchor_pos[:Bg], q)
 
 __all__ = ["StepGraphs", "graph_batch_sizes", "context_buckets"]

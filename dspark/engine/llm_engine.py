@@ -110,6 +110,10 @@ class LLMEngine:
         self._seed_rng = random.Random(cfg.seed)
         self._aborted: list[Request] = []
         self._inflight = None  # (SchedulerOutput, runner.InflightStep): a launched step not yet read back
+        # DSpark with async scheduling: prompts admitted as prefill rows of a step launched on top of the
+        # one in flight (Scheduler.schedule_on_top). False: an admission first reads the step in flight
+        # back and runs synchronously (the path before session 20; benchmarks compare the two).
+        self.admit_on_top = True
         self._counter = 0
         self.warmup_s: float | None = None
         if cfg.warmup or (cfg.warmup is None and torch.device(dev).type == "cuda"):
@@ -222,6 +226,8 @@ class LLMEngine:
         ``step()`` call, after that call has already launched the step after it (``_step_async``). The
         host's bookkeeping of step t (read-back, stop checks, detokenization, outputs, scheduling)
         thus overlaps the GPU's step t + 1, and outputs come one call later."""
+        G = self.runner.graphs  # prefill chunks beside decoders sized to the graph rows (Scheduler.schedule)
+        self.scheduler.graph_rows = (G.q, G.max_batch) if G is not None and G.prefill_rows else None
         if self._inflight is not None:
             return self._step_async()
         sched = self.scheduler.schedule()
@@ -242,12 +248,14 @@ class LLMEngine:
                 and self.runner.can_launch_async([s.request for s in sched.scheduled]))
 
     def _launchable_spec(self, sched) -> bool:
-        """A DSpark verification step that async scheduling can pipeline: every request verifies a full
-        block (q = 1 + N rows) on the one-sync graph path."""
+        """A DSpark step that async scheduling can pipeline: every request verifies a full block (q = 1 + N
+        rows) on the one-sync graph path, or the step's prompt chunks fit the graph as prefill rows beside
+        such blocks (ModelRunner._graph_prefill)."""
         G = self.runner.graphs
-        return (G is not None and not sched.preempted
-                and all(s.num_tokens == G.q and s.num_spec_tokens == G.q - 1 and s.samples for s in sched.scheduled)
-                and self.runner.can_launch_spec([s.request for s in sched.scheduled]))
+        if G is None or sched.preempted or not self.runner.can_launch_spec([s.request for s in sched.scheduled]):
+            return False
+        return (all(s.num_tokens == G.q and s.num_spec_tokens == G.q - 1 and s.samples for s in sched.scheduled)
+                or self.runner._graph_prefill(sched.scheduled))
 
     def _launch(self, sched, prev) -> None:
         self._inflight = (sched, self.runner.launch(sched, self.kv, prev))
@@ -283,16 +291,20 @@ class LLMEngine:
         q = G.q
         # The launched step replays the bucket of its worst case (all drafts accepted); a synchronous
         # step would replay the bucket of its real context: go on only where the two are the same bucket
-        # (the attention's key split follows the bucket, and with it the rounding).
-        a = max(r.num_computed_tokens for r in reqs)
-        if (self.scheduler.can_continue_spec(sched, q) and self.runner.can_launch_spec(reqs)
-                and G.bucket_for(a + 1 + q) == G.bucket_for(a + 2 * q)):
-            nxt = self.scheduler.reserve_spec(sched, q)
-            self._inflight = (nxt, self.runner.launch_one_sync(nxt, self.kv, step))
+        # (the attention's key split follows the bucket, and with it the rounding). A prompt finished in
+        # ``step`` starts its first block exactly at its end; admitted chunks' rows are known exactly.
+        live = [s for s in sched.scheduled if not s.request.is_finished]
+        lo = max((s.request.num_computed_tokens + (1 if s.num_spec_tokens else s.num_tokens) for s in live), default=0)
+        hi = max((s.request.num_computed_tokens + (q if s.num_spec_tokens else s.num_tokens + q - 1) for s in live),
+                 default=0)
+        if live and self.runner.can_launch_spec([s.request for s in live]) and G.bucket_for(lo + q) == G.bucket_for(hi + q):
+            nxt = self.scheduler.schedule_on_top(sched, q, lambda r, n: self.admit_on_top and self.runner.can_admit_on_top(r, n))
+            if nxt is not None:
+                self._inflight = (nxt, self.runner.launch_one_sync(nxt, self.kv, step))
         result = self.runner.finish_one_sync(step)
-        live = {r.request_id for r in reqs if not r.is_finished}  # an abort while the step ran drops its result
+        live_ids = {r.request_id for r in reqs if not r.is_finished}  # an abort while the step ran drops its result
         for part in (result.new_tokens, result.verified, result.drafts):
-            for rid in [rid for rid in part if rid not in live]:
+            for rid in [rid for rid in part if rid not in live_ids]:
                 del part[rid]
         self.scheduler.update(sched, result.new_tokens)
         if self._inflight is not None:  # give back the worst case's blocks the launched step does not use
@@ -300,7 +312,7 @@ class LLMEngine:
                 if not r.is_finished:
                     self.kv.truncate(r, r.num_computed_tokens + q)
         touched: dict[str, Request] = {}
-        self._apply(result, [r for r in reqs if r.request_id in live], touched)
+        self._apply(result, [r for r in reqs if r.request_id in live_ids], touched)
         if self._inflight is not None and all(s.request.is_finished for s in self._inflight[0].scheduled):
             self.runner.finish_one_sync(self._inflight[1])  # every request of the next step has ended: drop it
             self._inflight = None

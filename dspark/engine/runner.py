@@ -332,13 +332,19 @@ class ModelRunner:
         copy of (emitted tokens, counts, next drafts) to pinned memory; ``finish_one_sync`` reads it
         (the step's one synchronisation).
 
-        ``prev`` (async scheduling with DSpark): the one-sync step still in flight, for the very same
-        requests, whose outcome decides this step's rows. The host still sees each request as before
-        ``prev`` (num_computed a, its drafts unverified); this step's q rows really start at
-        a + n_out (1 <= n_out <= q, on the device). The host writes every position-like input for the
-        worst case a + q (bucket, block-table width; the engine reserved KV blocks for it) and the
-        device moves them back by q - n_out, recomputes the slots from the block table, and takes
-        the input ids (the new anchor, then the drafts made from it) from ``prev``'s outputs."""
+        ``prev`` (async scheduling with DSpark): the one-sync step still in flight, whose outcome decides
+        the rows of this step's ``on_top`` requests (Scheduler.schedule_on_top: the requests of ``prev``
+        still running, first, in prev's order; then prompts admitted as prefill rows, known on the host).
+        The host still sees each on-top request as before ``prev`` (num_computed a, its drafts
+        unverified, or its prompt's last chunk of L tokens not yet computed); this step's q rows
+        really start at a + n_out (1 <= n_out <= q: prev verified a block at a) or a + L (n_out = 1: prev
+        ended the prompt), on the device. The host writes every position-like input for the worst
+        case, a + q or a + L - 1 + q (bucket, block-table width; the scheduler reserved KV blocks for
+        it) and the device moves them back by q - n_out, recomputes the slots from the block table, and
+        takes the input ids (the new anchor, then the drafts made from it) from prev's row of the
+        request."""
+        from dspark.kernels.spec_step import verify_greedy_rows
+
         t0 = time.perf_counter()
         G = self.graphs
         q, B = G.q, len(sched.scheduled)
@@ -347,22 +353,33 @@ class ModelRunner:
         host = G.flip()
         ids: list[int] = []
         starts, tables, ntok = [], [], []
+        # on-top requests (first in the batch): their graph row in ``prev`` and their rows' host base
+        prev_of = {} if prev is None else {id(ps.request): (i if prev.rows is None else prev.rows[i], ps)
+                                           for i, ps in enumerate(prev.scheduled)}
+        prev_rows: list[int] = []
         for s in scheduled:
             r = s.request
             a = r.num_computed_tokens
-            if prev is None:
+            if s.on_top:
+                assert s.num_tokens == q, "a step launched on top of another verifies a full block per request"
+                assert len(prev_rows) == len(ids) // q, "on-top requests come first"
+                row, ps = prev_of[id(r)]
+                prev_rows.append(row)
+                # prev verified a block at a (its next block starts at a + n_out) or ended the prompt at
+                # a + L (its first token, n_out = 1, starts the block at a + L): written as base + q here,
+                # moved back by q - n_out on the device
+                base = a if ps.num_spec_tokens else a + ps.num_tokens - 1
+                ids.extend([0] * q)  # written on the device below
+                starts.append(base + q)
+                ntok.append(r.num_tokens + q)
+            else:
+                assert prev is None or not G._decode_row(s) or r.params.greedy, "only on-top blocks verify on top"
                 b = a + s.num_tokens
                 ids.extend(r.token_ids[a:b] if b <= r.num_tokens else (r.token_ids + r.spec_token_ids)[a:b])
                 starts.append(a)
                 ntok.append(r.num_tokens)
-            else:
-                assert s.num_tokens == q, "a step launched on top of another verifies a full block per request"
-                ids.extend([0] * q)  # written on the device below
-                starts.append(a + q)
-                ntok.append(r.num_tokens + q)
             tables.append(kv.block_ids(r.request_id))
-        if prev is not None:
-            assert len(prev.scheduled) == B and all(a.request is b.request for a, b in zip(prev.scheduled, scheduled))
+        assert (prev is None) == (not prev_rows), "on-top requests need the step they follow"
         # Prefill rows (cuda_graphs.py): a prefill chunk takes ceil(num_tokens / q) graph rows; row_of[b] is
         # the last one, the row that emits the request's first token when the chunk ends its prompt.
         counts = G.row_counts(scheduled)
@@ -387,9 +404,12 @@ class ModelRunner:
         G.upload(Bg)
         dq = None  # the sampled requests' q of their drafts: from draft_probs, unless prev is in flight
         if prev is not None:
-            G.rows_from_previous_step(B, prev.n_out - q, prev.anchors, prev.drafts)
-            if sampled:  # prev's rows of the sampled requests, in order: the host has not read it yet
-                idx = slice(None) if sampled == list(range(B)) else self._index(sampled)
+            Bc = len(prev_rows)
+            G.rows_from_previous_step(Bc, prev.n_out, prev.anchors, prev.drafts,
+                                      None if prev_rows == list(range(Bc)) else self._index(prev_rows))
+            if sampled:  # prev's rows of the sampled requests (all on top): the host has not read it yet
+                rows = [prev_rows[b] for b in sampled]
+                idx = slice(0, len(rows)) if rows == list(range(len(rows))) else self._index(rows)
                 batch.positions = batch.positions + prev.n_out[idx]
                 d = prev.drafts[idx]
                 dq = (prev.draft_q[idx] if prev.draft_q is not None  # else drafted greedily: one-hot
@@ -402,7 +422,7 @@ class ModelRunner:
         commit = None
         if q > 1:
             drafts_in = G.input_ids[:Bg * q].view(Bg, q)[:R, 1:]
-            out, n_out = verify_greedy(am, drafts_in, G.num_drafts[:R])
+            out, n_out = verify_greedy_rows(am, drafts_in, G.num_drafts[:R])  # verify_greedy in one launch
             if sampled:
                 out, n_out = self._verify_sampled([reqs[b] for b in sampled], [row_of[b] for b in sampled], logits,
                                                   drafts_in, G.num_drafts[:R], batch, out, n_out, dq)
@@ -430,6 +450,7 @@ class ModelRunner:
         G.stats["one_sync"] += 1
         if prev is not None:
             G.stats["async"] += 1
+            G.stats["async_admit"] += bool(prefill)
         return InflightStep(list(scheduled), out, hb, done, ev, t0, n_out=n_out, anchors=anchors, drafts=drafts,
                             draft_q=draft_q, prob=prob, rows=row_of if prefill else None, num_rows=R)
 
@@ -523,6 +544,13 @@ class ModelRunner:
                 and 0 < len(requests) <= self.graphs.max_batch
                 and all(r.params.greedy_plain or (self.one_sync_sampled and self.graphs.q > 1
                                                   and _one_sync_params(r.params)) for r in requests))
+
+    def can_admit_on_top(self, request: Request, num_tokens: int) -> bool:
+        """Whether a waiting request's prompt chunk of ``num_tokens`` can join a step launched on top of
+        the one in flight (Scheduler.schedule_on_top): launchable so (can_launch_spec), and not a sampled
+        one-token chunk (a prefix hit up to its last token), which would be a decode row without drafts,
+        sampled by the Sampler on the host (_graph_prefill does not take it either)."""
+        return self.can_launch_spec([request]) and (request.params.greedy or num_tokens > 1)
 
     # ------------------------------------------------------------------ async scheduling
     def can_launch_async(self, requests: list[Request]) -> bool:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dspark.config import EngineConfig
@@ -25,12 +26,15 @@ class ScheduledRequest:
     request: Request
     num_tokens: int  # query tokens this step: positions [num_computed, num_computed + num_tokens)
     num_spec_tokens: int  # drafts among them (the last num_spec_tokens rows)
+    # a DSpark block launched on top of the step in flight (Scheduler.schedule_on_top): its rows follow
+    # that step's outcome, which the host has not read (positions, anchor and drafts placed on the device)
+    on_top: bool = False
 
     @property
     def samples(self) -> bool:
         """Whether this step reaches the end of the known tokens, so logits are needed."""
         r = self.request
-        return r.num_computed_tokens + self.num_tokens >= r.num_tokens_with_spec
+        return self.on_top or r.num_computed_tokens + self.num_tokens >= r.num_tokens_with_spec
 
 
 @dataclass
@@ -44,6 +48,19 @@ class SchedulerOutput:
         return sum(s.num_tokens for s in self.scheduled)
 
 
+class _GraphRows:
+    """The prefill rows a graph step has left beside ``used`` decode rows: ``rows`` in all, q tokens each."""
+
+    def __init__(self, q: int, rows: int, used: int) -> None:
+        self.q, self.left = q, rows - used
+
+    def take(self, num_new: int) -> int:
+        """A prefill chunk of at most ``num_new`` tokens cut to the rows left, which it then uses."""
+        num_new = min(num_new, max(0, self.left) * self.q)
+        self.left -= -(-num_new // self.q)
+        return num_new
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager, num_lookahead_tokens: int = 0) -> None:
         self.config = config
@@ -54,6 +71,9 @@ class Scheduler:
         self.max_num_seqs = config.max_num_seqs
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # (q, rows) with DSpark's prefill-row graphs (cuda_graphs.py; set by the engine): while requests
+        # decode, a step's prefill chunks are cut to fit the graph's rows besides theirs (see schedule)
+        self.graph_rows: tuple[int, int] | None = None
 
     # ---------------------------------------------------------------- requests in and out
     def add(self, request: Request) -> None:
@@ -84,12 +104,23 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         max_len = self.config.max_model_len
+        # Prefill-row graphs (``graph_rows``): while some requests decode, prefill chunks take at most the
+        # graph rows the decoders leave, q tokens per row, the rest of a prompt going to the next steps
+        # (chunked prefill, as vLLM's long_prefill_token_threshold caps a chunk beside running requests).
+        # A longer chunk would run eagerly beside the decoders' graph step (ModelRunner._split): hundreds
+        # of launches from Python, ~23 ms per admission at B=32 on the H200 (session 17) against ~4 ms for
+        # each graph step. Without decoders (a first wave of prompts) the whole budget is one eager step.
+        decoding = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+        rows = _GraphRows(*self.graph_rows, decoding) if self.graph_rows is not None and decoding else None
+
+        def cap(req: Request, num_new: int) -> int:
+            return num_new if rows is None or req.num_tokens - req.num_computed_tokens == 1 else rows.take(num_new)
 
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens_with_spec - req.num_computed_tokens, budget)
-            num_new = min(num_new, max_len - req.num_computed_tokens)
+            num_new = cap(req, min(num_new, max_len - req.num_computed_tokens))
             if num_new <= 0:
                 i += 1
                 continue
@@ -103,24 +134,33 @@ class Scheduler:
             i += 1
 
         if not out.preempted:
-            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-                req = self.waiting[0]
-                hit_blocks: list[int] = []
-                if req.num_computed_tokens == 0:
-                    hit_blocks, num_hit = self.kv.find_cached_prefix(req)
-                    req.num_computed_tokens = num_hit
-                    if req.status is RequestStatus.WAITING:
-                        req.stats.num_cached_tokens = num_hit
-                num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-                if not self.kv.allocate_slots(req, num_new, hit_blocks, self.num_lookahead_tokens):
-                    req.num_computed_tokens = 0
-                    break
-                self.waiting.popleft()
-                req.status = RequestStatus.RUNNING
-                self.running.append(req)
-                out.scheduled.append(ScheduledRequest(req, num_new, 0))
-                budget -= num_new
+            self._admit(out, budget, cap)
         return out
+
+    def _admit(self, out: SchedulerOutput, budget: int, cap, min_chunk: int = 1) -> None:
+        """Admit waiting requests in arrival order while ``budget`` tokens, a seat and KV blocks last:
+        each gets a prefill chunk (after its prefix-cache hits, fewer of them if the rest of its prompt
+        would be shorter than ``min_chunk``) of at most ``cap(req, n)`` tokens."""
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            hit_blocks: list[int] = []
+            if req.num_computed_tokens == 0:
+                hit_blocks, num_hit = self.kv.find_cached_prefix(req)
+                while hit_blocks and req.num_tokens - num_hit < min_chunk:
+                    hit_blocks.pop()
+                    num_hit -= self.kv.block_size
+                req.num_computed_tokens = num_hit
+                if req.status is RequestStatus.WAITING:
+                    req.stats.num_cached_tokens = num_hit
+            num_new = cap(req, min(req.num_tokens - req.num_computed_tokens, budget))
+            if num_new <= 0 or not self.kv.allocate_slots(req, num_new, hit_blocks, self.num_lookahead_tokens):
+                req.num_computed_tokens = 0
+                return
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest(req, num_new, 0))
+            budget -= num_new
 
     def _make_room(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:
         """Allocate KV for ``req``, preempting the newest running requests as needed. Returns False
@@ -209,40 +249,61 @@ class Scheduler:
                         - len(self.kv.block_ids(req.request_id)))
         return need <= self.kv.num_free_blocks
 
-    def can_continue_spec(self, out: SchedulerOutput, q: int) -> bool:
-        """``can_continue`` for a DSpark verification step in flight (every request verifying q - 1
-        drafts, its tokens not yet applied): whether the same requests can verify a full block again
-        on top of it (ModelRunner.launch_one_sync with ``prev``): nobody to admit, the same running
-        requests in order, everybody far enough from max_model_len (and a request with logprobs from
-        max_tokens) that the step in flight and the next one leave it a full block of drafts (3q tokens
-        of margin), and KV blocks for the worst case (``reserve_spec``) without preempting. No side
-        effects."""
-        if self._may_admit(len(out.scheduled) * q) or len(self.running) != len(out.scheduled):
-            return False
-        if len(out.scheduled) * q > self.config.max_num_batched_tokens:
-            return False
+    def schedule_on_top(self, out: SchedulerOutput, q: int,
+                        admissible: Callable[[Request, int], bool] = lambda req, n: True) -> SchedulerOutput | None:
+        """The DSpark step to launch on top of ``out``, a one-sync step in flight whose tokens are not
+        applied yet (ModelRunner.launch_one_sync with ``prev``), or None when there is none to launch
+        that way. Every request of ``out`` still running verifies a full block (q rows, q - 1 drafts,
+        ``on_top``: its rows follow out's outcome on the device) — one that verified a block in ``out``,
+        or one whose prompt ``out`` finished prefilling (its first token and drafts come from ``out``)
+        — in the same order; requests that ended since ``out`` was launched (read back meanwhile) are
+        left out; then waiting requests are admitted as prefill chunks into the graph rows and token
+        budget left (as schedule() admits them: arrival order, prefix-cache hits, a chunk capped by the
+        rows; ``admissible(req, chunk)``: whether the runner can launch a request's chunk so, the queue
+        stops at one it cannot). None (the engine then reads ``out`` back first and schedules synchronously) when: a
+        running request is not in ``out`` or is mid-prompt, one near max_model_len (3q tokens of margin;
+        with logprobs or penalties also near max_tokens: such requests get only the drafts they can
+        use), or KV blocks for the worst case (every draft of ``out`` accepted: 2q tokens past a block's
+        start, a prompt's end + q) would need a preemption, or the next waiting request could have a seat
+        but not be admitted on top (no prefill rows, not ``admissible``). KV for that worst case is allocated here;
+        the engine gives back what the real outcome does not use (KVCacheManager.truncate)."""
+        cont = [s for s in out.scheduled if not s.request.is_finished]
+        if not cont or [s.request for s in cont] != self.running:
+            return None
+        ends = []
         need = 0
-        for s, req in zip(out.scheduled, self.running):
-            if s.request is not req or s.num_tokens != q or req.num_pending:
-                return False
-            # a request verified on the device (no logprobs, no penalties) keeps full blocks to max_tokens
-            # (ModelRunner._num_drafts); a token past it is dropped by update
+        for s in cont:
+            req = s.request
+            if req.num_pending:
+                return None
+            if s.num_tokens == q and s.num_spec_tokens == q - 1:  # verifying a block: the next starts <= q later
+                end = req.num_computed_tokens + 2 * q
+            elif not s.num_spec_tokens and req.num_computed_tokens + s.num_tokens == req.num_tokens:
+                end = req.num_tokens + q  # the prompt's last chunk: its first token starts the next block
+            else:
+                return None
             near_max_tokens = req.num_output_tokens + 3 * q >= req.params.max_tokens
-            if ((near_max_tokens and not req.params.device_verifiable)
-                    or req.num_tokens + 3 * q >= self.config.max_model_len):
-                return False
-            need += max(0, self.kv.blocks_needed(req.num_computed_tokens + 2 * q)
-                        - len(self.kv.block_ids(req.request_id)))
-        return need <= self.kv.num_free_blocks
-
-    def reserve_spec(self, out: SchedulerOutput, q: int) -> SchedulerOutput:
-        """After ``can_continue_spec``: KV blocks for the next block of every request at its latest
-        possible start (num_computed + q: all drafts of the step in flight accepted), and the
-        SchedulerOutput of that next step (q rows, q - 1 drafts each)."""
-        for s in out.scheduled:
-            ok = self.kv.allocate_slots(s.request, 2 * q)
-            assert ok, "reserve_spec without can_continue_spec"
-        return SchedulerOutput([ScheduledRequest(s.request, q, q - 1) for s in out.scheduled])
+            if (near_max_tokens and not req.params.device_verifiable) or end + q >= self.config.max_model_len:
+                return None
+            need += max(0, self.kv.blocks_needed(end) - len(self.kv.block_ids(req.request_id)))
+            ends.append(end)
+        budget = self.config.max_num_batched_tokens - len(cont) * q
+        if budget < 0 or need > self.kv.num_free_blocks:
+            return None
+        if self._may_admit(len(cont) * q) and (self.graph_rows is None or not admissible(
+                self.waiting[0], min(2, self.waiting[0].num_tokens))):  # its chunk is >= 2 tokens if it can be
+            return None  # no prefill rows to admit it into: read back first, admit it synchronously
+        for s, end in zip(cont, ends):
+            ok = self.kv.allocate_slots(s.request, end - s.request.num_computed_tokens)
+            assert ok, "KV checked above"
+        nxt = SchedulerOutput([ScheduledRequest(s.request, q, q - 1, on_top=True) for s in cont])
+        if self.graph_rows is not None:
+            rows = _GraphRows(*self.graph_rows, len(cont))
+            # a chunk of one token is a decode row; where that is not admissible (a sampled request), a
+            # prefix hit up to the prompt's last token gives back its last block (chunk >= 2)
+            self._admit(nxt, budget, lambda req, n: rows.take(n) if admissible(req, n) else 0,
+                        min_chunk=2)
+        return nxt
 
     def launched(self, out: SchedulerOutput) -> None:
         """A decode step was launched without waiting for the previous one's tokens: its rows count as

@@ -7,6 +7,7 @@ Wire it into the main CLI with ``add_serve_parser(subparsers)``; it can also run
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import sys
@@ -182,6 +183,12 @@ def run_serve(args: argparse.Namespace) -> int:
     client = EngineClient(engine)
     app = build_app(client, args.served_model_name, api_key=args.api_key,
                     max_body_bytes=args.max_request_body_bytes)
+    # The engine lives as long as the server: everything built so far out of the garbage collector's
+    # sight, so its full passes during serving walk only what requests create (as vLLM does). `dspark
+    # bench` does the same; on the H200 (session 20) the collector's passes over the engines' objects
+    # had made identical timed calls vary by 30 % and DSpark at B = 32 run at 1.22–1.30x plain instead of 1.51x.
+    gc.collect()
+    gc.freeze()
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("binding %s: the server is reachable from other machines%s", args.host,
                     "" if args.api_key else " and has no --api-key")

@@ -55,7 +55,7 @@ def test_dspark_steps_launched_on_top_of_each_other(spec_pair, prompts, sync_gre
 def test_greedy_dspark_pipeline_runs_up_to_max_tokens(spec_pair, prompts):
     """A greedy request keeps full verification blocks up to max_tokens (ModelRunner._num_drafts; the
     tokens past it are dropped), so async scheduling goes on launching blocks while a request is within
-    3q tokens of its max_tokens (Scheduler.can_continue_spec), where it used to fall back to synchronous
+    3q tokens of its max_tokens (Scheduler.schedule_on_top), where it used to fall back to synchronous
     steps for the whole batch. Tokens and finish reasons equal the synchronous engine's and those
     without speculation; every output stops exactly at max_tokens."""
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (21, 30, 39)]
@@ -66,15 +66,15 @@ def test_greedy_dspark_pipeline_runs_up_to_max_tokens(spec_pair, prompts):
     llm = _spec_llm(spec_pair, True)
     sched, q = llm.engine.scheduler, llm.engine.runner.graphs.q
     calls = []
-    can_continue = sched.can_continue_spec
+    on_top = sched.schedule_on_top
 
-    def recording(out, q_):
-        ok = can_continue(out, q_)
+    def recording(out, q_, *args):
         near = any(s.request.num_output_tokens + 3 * q_ >= s.request.params.max_tokens for s in out.scheduled)
-        calls.append((ok, near))
-        return ok
+        nxt = on_top(out, q_, *args)
+        calls.append((nxt is not None, near))
+        return nxt
 
-    sched.can_continue_spec = recording
+    sched.schedule_on_top = recording
     got, _, _ = _drive(llm, reqs)
     assert _summary(got) == _summary(want)
     assert [got[f"req-{i}"].token_ids for i in range(3)] == [o.token_ids for o in plain]
