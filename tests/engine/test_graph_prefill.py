@@ -55,12 +55,13 @@ def _run(spec_pair, reqs, monkeypatch, mode: str, seats: int = 2, **kw):
 def test_prefill_rows_match_the_eager_paths(spec_pair, prompts, monkeypatch, kw):
     reqs = list(zip(prompts + prompts[:2], PARAMS))
     want, want_acc, n0 = _run(spec_pair, reqs, monkeypatch, "eager", **kw)
-    split, split_acc, n1 = _run(spec_pair, reqs, monkeypatch, "split", **kw)
+    if not kw:  # the split step once (chunking does not change it; also test_one_sync_sampled): suite time
+        split, split_acc, n1 = _run(spec_pair, reqs, monkeypatch, "split", **kw)
+        assert split == want and split_acc == want_acc and n1 == (0, 0)
     got, acc, n = _run(spec_pair, reqs, monkeypatch, "graph", **kw)
-    assert split == want and split_acc == want_acc
     assert got == want and acc == want_acc
     # admissions really ran as prefill rows, some launched on top of the step in flight
-    assert n0 == n1 == (0, 0) and sum(n) >= 3 and n[1] >= 1
+    assert n0 == (0, 0) and sum(n) >= 3 and n[1] >= 1
     assert 0 < acc[1] < acc[0]
 
 
