@@ -67,9 +67,6 @@ MAX_ROWS = 16  # the row loop is unrolled: more rows belong to a GEMM
 TARGET_PROGRAMS = 128  # about the SM count (H200: 132): programs wanted along N
 WEIGHT_ELEMS_PER_THREAD = 64  # register budget of the weight tile(s) per K step
 NORM_TILE_ELEMS = 8192  # rows x K elements of the sum-of-squares tile
-DOT_MIN_ROWS = 2  # from this many rows on, the tensor-core path (gemv_config's dot)
-DOT_ROWS = 16  # its row tile: the MMA's M
-DOT_MAX_BLOCK_K = 512  # its K tile without the norm prologue
 
 
 # ------------------------------------------------------------------------------------- kernel
@@ -136,13 +133,6 @@ def _gemv_kernel(
             if GATE_UP:
                 acc_u = tl.where(sel, acc_u + tl.sum(af * wu, 0)[None, :], acc_u)
 
-    _store_rows(acc, acc_u, b_ptr, y_ptr, stride_y, rows, rm, n, nm, dt, HAS_BIAS, GATE_UP, PRECISE)
-
-
-@triton.jit
-def _store_rows(acc, acc_u, b_ptr, y_ptr, stride_y, rows, rm, n, nm, dt: tl.constexpr, HAS_BIAS: tl.constexpr,
-                GATE_UP: tl.constexpr, PRECISE: tl.constexpr):
-    """The epilogue of both kernels: + bias, round to the dtype, (GATE_UP) SwiGLU, store rows < M."""
     if HAS_BIAS:
         acc = acc + tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
     out = cast_rtne(acc, dt)  # the product's output dtype
@@ -157,62 +147,6 @@ def _store_rows(acc, acc_u, b_ptr, y_ptr, stride_y, rows, rm, n, nm, dt: tl.cons
     tl.store(y_ptr + rows[:, None] * stride_y + n[None, :], out, mask=rm[:, None] & nm[None, :])
 
 
-@triton.jit
-def _gemv_dot_kernel(
-    x_ptr, stride_x, r_ptr, stride_r, s_ptr, stride_s, nw_ptr, eps,
-    w_ptr, stride_wk, stride_wn, b_ptr, y_ptr, stride_y,
-    K, N, UP,
-    M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, NORM: tl.constexpr,
-    HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, GATE_UP: tl.constexpr, PRECISE: tl.constexpr,
-    DOT_F32: tl.constexpr,
-):
-    """_gemv_kernel's products on the tensor cores: the M rows padded to a DOT_ROWS (16) row tile (rows
-    >= M load zeros and are not stored), ``[16, BLOCK_K] x [BLOCK_K, BLOCK_N]`` per K step, fp32
-    accumulator. NORM needs BLOCK_K >= K (one K step; the wrapper sees to it): the rows are loaded once,
-    and the same tile gives their sums of squares, the normed operand and (pid 0) ``s``, so a program's
-    loads (rows, residual, norm weight, weight tile) all go out together: one memory round trip before
-    the MMA, where _gemv_kernel's norm prologue and K loop wait for two or more."""
-    pid = tl.program_id(0)
-    dt = x_ptr.dtype.element_ty
-    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    nm = n < N
-    rows = tl.arange(0, 16)
-    rm = rows < M
-    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-    acc_u = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-    kb = tl.arange(0, BLOCK_K)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-        k = k0 + kb
-        km = k < K
-        wmask = km[:, None] & nm[None, :]
-        w_off = k[:, None] * stride_wk + n[None, :] * stride_wn
-        w = tl.load(w_ptr + w_off, mask=wmask, other=0.0)  # in the dtype: the MMA's operand
-        if GATE_UP:
-            wu = tl.load(w_ptr + w_off + UP * stride_wn, mask=wmask, other=0.0)
-        mk = rm[:, None] & km[None, :]
-        a = tl.load(x_ptr + rows[:, None] * stride_x + k[None, :], mask=mk, other=0.0)
-        if NORM:  # fused_ops.add_rms_norm's roundings on the whole rows (K <= BLOCK_K)
-            if HAS_RES:
-                r = tl.load(r_ptr + rows[:, None] * stride_r + k[None, :], mask=mk, other=0.0)
-                a = cast_rtne(a.to(tl.float32) + r.to(tl.float32), dt)  # eager: one add in the dtype
-                tl.store(s_ptr + rows[:, None] * stride_s + k[None, :], a, mask=mk & (pid == 0))
-            g = tl.load(nw_ptr + k, mask=km, other=0.0).to(tl.float32)
-            af = a.to(tl.float32)
-            inv = tl.math.rsqrt(tl.sum(af * af, 1) / K + eps)
-            a = cast_rtne(cast_rtne(af * inv[:, None], dt).to(tl.float32) * g[None, :], dt)
-        if DOT_F32:  # fp32 activations, or the interpreter (whose tl.dot multiplies bf16's integer bits):
-            # fp32 operands (exact: they hold dtype values) and IEEE fp32 products, no TF32
-            af = a.to(tl.float32)
-            acc = tl.dot(af, w.to(tl.float32), acc, input_precision="ieee")
-            if GATE_UP:
-                acc_u = tl.dot(af, wu.to(tl.float32), acc_u, input_precision="ieee")
-        else:  # bf16 / fp16 operands: their products are exact in the fp32 accumulator
-            acc = tl.dot(a, w, acc)
-            if GATE_UP:
-                acc_u = tl.dot(a, wu, acc_u)
-    _store_rows(acc, acc_u, b_ptr, y_ptr, stride_y, rows, rm, n, nm, dt, HAS_BIAS, GATE_UP, PRECISE)
-
-
 # ------------------------------------------------------------------------------------ configs
 def _pow2(v: int, what: str) -> int:
     if v < 1 or v & (v - 1):
@@ -225,38 +159,22 @@ def _floor_pow2(v: int) -> int:
 
 
 def gemv_config(M: int, K: int, N: int, tiles: int = 1, block_n: int | None = None, block_k: int | None = None,
-                num_warps: int | None = None, num_stages: int | None = None, norm: bool = False,
-                dot: bool | None = None) -> dict:
+                num_warps: int | None = None, num_stages: int | None = None) -> dict:
     """Launch configuration for M rows, reduction size K and N output columns per weight tile (``tiles``
-    tiles per program: 2 for gate|up); ``norm``: the add + RMSNorm prologue. Any value can be overridden
-    (benchmarks sweep them).
+    tiles per program: 2 for gate|up). Any value can be overridden (benchmarks sweep them).
 
-    ``dot`` (default: from DOT_MIN_ROWS rows on): _gemv_dot_kernel, the rows padded to 16 on the tensor
-    cores; else _gemv_kernel's row loop. Row loop defaults: BLOCK_N the smallest power of two >= 8 giving
-    at most ~TARGET_PROGRAMS programs (at most 64; 8 for SmolLM2: 120 programs for qkv, 72 for o / down,
-    96 of 2 tiles for gate|up); BLOCK_K as large as WEIGHT_ELEMS_PER_THREAD allows for the weight tile(s)
-    per K step (one K step for K = 576 at BLOCK_N 8). Dot defaults: BLOCK_N 16 (the MMA's N; 60 programs
-    for qkv), BLOCK_K the whole K with the norm prologue (required: one K step), else at most
-    DOT_MAX_BLOCK_K. Both: 4 warps; cp.async pipelining (3 stages) only with several K steps (the 1-row
+    Defaults: BLOCK_N the smallest power of two >= 8 giving at most ~TARGET_PROGRAMS programs (at most
+    64; 8 for SmolLM2: 120 programs for qkv, 72 for o / down, 96 of 2 tiles for gate|up). BLOCK_K as
+    large as WEIGHT_ELEMS_PER_THREAD allows for the weight tile(s) per K step (one K step for K = 576 at
+    BLOCK_N 8); 4 warps; cp.async pipelining (3 stages) only with several K steps (the 1-row
     measurements favour few deep loads over many shallow ones)."""
-    d = M >= DOT_MIN_ROWS if dot is None else dot
     nw = num_warps or 4
-    if d:
-        bn = _pow2(block_n, "block_n") if block_n else 16
-        whole = next_pow2(K)
-        bk = _pow2(block_k, "block_k") if block_k else (whole if norm else min(whole, DOT_MAX_BLOCK_K))
-        if bk < 16:
-            raise ValueError(f"block_k {bk}: tl.dot needs a K tile of at least 16")
-        if norm and bk < K:
-            raise ValueError(f"block_k {bk} < K = {K}: the dot path's norm prologue needs the whole rows in one K step")
-        return dict(DOT=True, BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=num_stages or (1 if bk >= K else 3),
-                    num_warps=nw, BM=DOT_ROWS)
     bm = next_pow2(M)
     bn = _pow2(block_n, "block_n") if block_n else max(8, min(64, next_pow2(triton.cdiv(N, TARGET_PROGRAMS))))
     budget = WEIGHT_ELEMS_PER_THREAD * 32 * nw  # registers for the weight tile(s): bn * tiles per K element
     bk = _pow2(block_k, "block_k") if block_k else max(16, min(next_pow2(K), _floor_pow2(budget // (bn * tiles))))
     stages = num_stages or (1 if bk >= K else 3)
-    return dict(DOT=False, BLOCK_N=bn, BLOCK_K=bk, NORM_BLOCK=max(16, min(next_pow2(K), max(bk, NORM_TILE_ELEMS // bm))),
+    return dict(BLOCK_N=bn, BLOCK_K=bk, NORM_BLOCK=max(16, min(next_pow2(K), max(bk, NORM_TILE_ELEMS // bm))),
                 NUM_STAGES=stages, num_warps=nw, BM=bm)
 
 
@@ -300,23 +218,16 @@ def _check_m(M: int) -> None:
 def _launch(x2, r2, s2, norm_weight, eps, w_t, bias, y2, N, up, cfg, norm, gate_up):
     M, K = x2.shape
     dummy = x2
-    args = (x2, x2.stride(0), r2 if r2 is not None else dummy, r2.stride(0) if r2 is not None else 0,
-            s2 if s2 is not None else dummy, s2.stride(0) if s2 is not None else 0,
-            norm_weight if norm_weight is not None else dummy, eps,
-            w_t, w_t.stride(0), w_t.stride(1), bias if bias is not None else dummy, y2, y2.stride(0), K, N, up)
-    flags = dict(M=M, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], NUM_STAGES=cfg["NUM_STAGES"], NORM=norm,
-                 HAS_RES=r2 is not None, HAS_BIAS=bias is not None, GATE_UP=gate_up,
-                 PRECISE=x2.device.type == "cuda", num_warps=cfg["num_warps"], **_launch_opts(x2))
-    grid = (triton.cdiv(N, cfg["BLOCK_N"]),)
-    if cfg["DOT"]:
-        if M > DOT_ROWS:
-            raise ValueError(f"{M} rows: the dot path takes at most {DOT_ROWS}")
-        if norm and cfg["BLOCK_K"] < K:
-            raise ValueError(f"block_k {cfg['BLOCK_K']} < K = {K}: the dot path's norm prologue needs one K step")
-        # Triton's interpreter multiplies bf16/fp16 tl.dot operands as integers: fp32 operands there
-        _gemv_dot_kernel[grid](*args, DOT_F32=x2.dtype == torch.float32 or x2.device.type != "cuda", **flags)
-    else:
-        _gemv_kernel[grid](*args, BM=cfg["BM"], NORM_BLOCK=cfg["NORM_BLOCK"], **flags)
+    _gemv_kernel[(triton.cdiv(N, cfg["BLOCK_N"]),)](
+        x2, x2.stride(0), r2 if r2 is not None else dummy, r2.stride(0) if r2 is not None else 0,
+        s2 if s2 is not None else dummy, s2.stride(0) if s2 is not None else 0,
+        norm_weight if norm_weight is not None else dummy, eps,
+        w_t, w_t.stride(0), w_t.stride(1), bias if bias is not None else dummy, y2, y2.stride(0),
+        K, N, up,
+        M=M, BM=cfg["BM"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], NORM_BLOCK=cfg["NORM_BLOCK"],
+        NUM_STAGES=cfg["NUM_STAGES"], NORM=norm, HAS_RES=r2 is not None, HAS_BIAS=bias is not None,
+        GATE_UP=gate_up, PRECISE=x2.device.type == "cuda", num_warps=cfg["num_warps"], **_launch_opts(x2),
+    )
 
 
 def _norm_inputs(x, residual, norm_weight, w_t, bias):
@@ -342,7 +253,7 @@ def add_rms_norm_linear(x: Tensor, residual: Tensor | None, norm_weight: Tensor,
     M = x2.shape[0]
     y = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
     if M:
-        _launch(x2, r2, s2, norm_weight, eps, w_t, bias, y.view(-1, N), N, 0, gemv_config(M, K, N, norm=True, **config),
+        _launch(x2, r2, s2, norm_weight, eps, w_t, bias, y.view(-1, N), N, 0, gemv_config(M, K, N, **config),
                 norm=True, gate_up=False)
     return y, s
 
@@ -359,7 +270,7 @@ def add_rms_norm_gate_up_silu(x: Tensor, residual: Tensor | None, norm_weight: T
     M = x2.shape[0]
     y = torch.empty(*x.shape[:-1], I, dtype=x.dtype, device=x.device)
     if M:
-        _launch(x2, r2, s2, norm_weight, eps, w_t, None, y.view(-1, I), I, I, gemv_config(M, K, I, 2, norm=True, **config),
+        _launch(x2, r2, s2, norm_weight, eps, w_t, None, y.view(-1, I), I, I, gemv_config(M, K, I, 2, **config),
                 norm=True, gate_up=True)
     return y, s
 
