@@ -624,8 +624,9 @@ def markov_sample(
     ``markov_sample_reference``. ``cap`` bounds the sorted candidate buffer of top-k/top-p rows.
     ``prob_mask``: optionally the same flags as a [B] bool tensor already on the device (saves a
     host-to-device copy, e.g. inside a CUDA graph). ``bias_gemm``: compute each slot's Markov bias
-    with one torch GEMM for the whole batch instead of inside the kernel (default: from 4 rows on,
-    where re-reading W2 per row costs more than the extra launch). ``probs_out``: a contiguous
+    with one torch GEMM for the whole batch instead of inside the kernel (default: on a GPU from 4 rows
+    on, where re-reading W2 per row costs more than the extra launch; always on a CPU, where Triton's
+    interpreter runs the in-kernel mat-vec in Python: the kernel tests choose both paths explicitly). ``probs_out``: a contiguous
     [B, N, V] fp32 tensor that receives q (a CUDA graph's shared buffer) instead of a new one.
     ``_paths`` (tests): a [B, N] int32 tensor that receives, for sampled rows, how θ was found
     (0 no filter search, 1 sorted candidates, 2 bisection); -1 for other rows.
@@ -675,7 +676,7 @@ def markov_sample(
         ocnt = pcnt = flags
 
     if bias_gemm is None:
-        bias_gemm = B >= 4
+        bias_gemm = B >= 4 or base_logits.device.type != "cuda"
     if cap < 2 or cap & (cap - 1):
         raise ValueError(f"cap must be a power of two >= 2, got {cap}")
     small_cap = min(cap, max(16, min(256, cap // 4)))  # sort size when the candidates are few

@@ -92,8 +92,10 @@ def _check(params: list[P], prob: list[bool], N: int, V: int, seed: int, scale: 
         w1 = w2_t = None
     batch = _batch(params, anchor_pos, V, seed)
     paths = torch.empty(B, N, dtype=torch.int32)
+    # the Markov bias inside the kernel below 4 rows, by one GEMM from 4 on: the GPU's default (on a CPU
+    # the default is always the GEMM)
     tokens, q = markov_sample(base, anchors, w1, w2_t, batch, anchor_pos + 1, prob, block_v=block_v, cap=cap,
-                              _paths=paths)
+                              _paths=paths, bias_gemm=B >= 4)
     ref_tokens, ref_q = markov_sample_reference(base, anchors, w1, w2_t, batch, anchor_pos + 1, prob)
     assert torch.equal(tokens, ref_tokens), f"\n{tokens}\n{ref_tokens}"
     if ref_q is None:

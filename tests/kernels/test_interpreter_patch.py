@@ -1,0 +1,62 @@
+"""dspark/kernels/__init__.py's interpreter speed-up: inside a kernel launch, calls of ``@triton.jit``
+functions no longer patch ``triton.language`` again (``_patch_lang_once_per_launch``), and results and the
+restore after a launch are unchanged."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from dspark.kernels import interpreter_ready  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not interpreter_ready(), reason="Triton interpreter not active in this process")
+
+
+@triton.jit
+def _twice(x):
+    return x * 2.0
+
+
+@triton.jit
+def _helper_calls_kernel(x_ptr, out_ptr, CALLS: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + i)
+    for _ in tl.static_range(CALLS):  # CALLS helper calls per program, each also calling tl.sum (a jit function)
+        x = _twice(x) - tl.sum(x, 0) * 0.0
+    tl.store(out_ptr + i, x)
+
+
+def _launch(calls: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.arange(32, dtype=torch.float32)
+    out = torch.empty_like(x)
+    _helper_calls_kernel[(4,)](x, out, CALLS=calls, BLOCK=8)
+    return x, out
+
+
+def test_helper_calls_do_not_patch_again(monkeypatch) -> None:
+    from triton.runtime import interpreter
+
+    assert getattr(interpreter._patch_lang, "dspark_once", False)
+    counts = []
+    orig = interpreter._patch_builtin
+    monkeypatch.setattr(interpreter, "_patch_builtin", lambda *a, **k: counts.append(1) or orig(*a, **k))
+    _launch(1)  # a first launch: rewriting tl.sum adds names to its module's globals (what it patches)
+    n = {}
+    for calls in (2, 8):
+        counts.clear()
+        x, out = _launch(calls)
+        assert torch.equal(out, x * 2.0**calls)
+        n[calls] = len(counts)
+    # the launch patches once, and a jit function whose modules are patched already adds nothing: 4 programs
+    # x 8 helper calls (+ 8 tl.sum calls) patch as often as 4 x 2 (upstream: once more per call)
+    assert n[8] == n[2], n
+    assert tl.core.is_builtin(tl.program_id)  # triton.language restored after the launch
