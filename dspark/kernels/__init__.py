@@ -79,6 +79,7 @@ def _patch_lang_once_per_launch() -> None:
     launch, or by an earlier call in it: upstream never undoes a call's patch) skips it; the launch's
     own patch and restore are unchanged."""
     import inspect
+    import threading
 
     from triton.runtime import interpreter
 
@@ -86,27 +87,27 @@ def _patch_lang_once_per_launch() -> None:
     if orig is None or getattr(orig, "dspark_once", False):
         return
     langs = (tl, tl.core)
-    patched: set[int] = set()  # the language modules patched in the running launch
-    active = [0]
+    # per thread (a launch in another thread patches as upstream does): whether a launch is running, and
+    # the language modules patched in it
+    state = threading.local()
 
     def modules(fn) -> set[int]:
         return {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and any(v is m for m in langs)}
 
     def patch_lang(fn):
         mods = modules(fn)
-        if active[0]:  # a jit function called by a running kernel
+        patched = getattr(state, "patched", None)
+        if patched is not None:  # a jit function called by a kernel running in this thread
             if mods <= patched:
                 return _NoPatch()
             patched.update(mods)
             return orig(fn)
-        scope = orig(fn)
-        active[0] += 1
-        patched.update(mods)
+        scope = orig(fn)  # a kernel launch
+        state.patched = set(mods)
         restore = scope.restore
 
         def restore_once() -> None:
-            active[0] -= 1
-            patched.clear()
+            state.patched = None
             restore()
 
         scope.restore = restore_once
