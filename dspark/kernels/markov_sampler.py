@@ -626,8 +626,9 @@ def markov_sample(
     host-to-device copy, e.g. inside a CUDA graph). ``bias_gemm``: compute each slot's Markov bias
     with one torch GEMM for the whole batch instead of inside the kernel (default: on a GPU from 4 rows
     on, where re-reading W2 per row costs more than the extra launch; always on a CPU, where Triton's
-    interpreter runs the in-kernel mat-vec in Python: the kernel tests choose both paths explicitly). ``probs_out``: a contiguous
-    [B, N, V] fp32 tensor that receives q (a CUDA graph's shared buffer) instead of a new one.
+    interpreter runs the in-kernel mat-vec in Python: the kernel tests choose both paths explicitly).
+    ``probs_out``: a contiguous [B, N, V] fp32 tensor that receives q (a CUDA graph's shared buffer)
+    instead of a new one.
     ``_paths`` (tests): a [B, N] int32 tensor that receives, for sampled rows, how θ was found
     (0 no filter search, 1 sorted candidates, 2 bisection); -1 for other rows.
     """
