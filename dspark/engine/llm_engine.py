@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -86,12 +86,15 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         factory = proposer_factory
         if spec is not None and spec.model is None and factory is None:
-            # No drafter named: the one dspark ships for this target, if any (dspark/drafters).
-            from dspark.drafters import shipped_drafter
+            # No drafter named: the one dspark ships for this target, if any (dspark/drafters), with its
+            # recommended settings (probabilistic drafts, block verification) for the keys the config did
+            # not name, as `dspark generate` / `bench` use it; vLLM's defaults stay for named drafters.
+            from dspark.drafters import default_speculative_config
 
-            shipped = shipped_drafter(loaded.name)
+            shipped = default_speculative_config(loaded.name)
             if shipped is not None:
-                spec = replace(spec, model=str(shipped))
+                named = spec.given if spec.given is not None else {f.name for f in fields(spec)}
+                spec = replace(spec, **{k: v for k, v in shipped.items() if k == "model" or k not in named})
         if spec is not None and factory is None:
             factory = DSparkProposerFactory(spec, mc, cfg.max_model_len + 64, cfg.dtype, dev)
         if factory is not None and spec is None:

@@ -45,7 +45,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="automatic prefix caching (default: on)")
     p.add_argument("--speculative-config", default=None,
                    help='speculative decoding, as a JSON object passed to the engine (default: off); '
-                        '\'{"method": "dspark"}\' without "model" uses the drafter dspark ships for the model')
+                        '\'{"method": "dspark"}\' without "model" uses the drafter dspark ships for the model, '
+                        'with its settings (probabilistic drafts, block verification) for keys not named')
     from dspark.cli import add_backend_args
 
     add_backend_args(p)

@@ -63,3 +63,22 @@ def test_shipped_drafter_is_lossless_and_accepts(spec_llm, smollm_llm):
     assert spec_out == plain_out
     st = spec_llm.engine.spec_stats
     assert st.tau >= TAU_FLOOR, (st.tau, st.conditional_acceptance)
+
+
+def test_shipped_drafter_brings_its_settings_unless_named(spec_llm) -> None:
+    """{"method": "dspark"} without "model" gets the shipped drafter with the settings `dspark generate`
+    uses for it (probabilistic drafts, block verification: default_speculative_config), not vLLM's
+    greedy / standard defaults, which would draft sampled requests by argmax (session 13: T=1 τ 1.27
+    instead of 1.76); keys the config names stay as named, and a named drafter keeps vLLM's defaults."""
+    sc = spec_llm.engine.spec_config
+    assert (sc.model, sc.draft_sample_method, sc.rejection_sample_method) == (
+        str(shipped_drafter(None)), "probabilistic", "block")
+
+    def spec_of(config):
+        return LLM(device="cpu", dtype="float32", max_model_len=256, kv_cache_memory_gb=0.1,
+                   speculative_config=config).engine.spec_config
+
+    named = spec_of({"method": "dspark", "rejection_sample_method": "standard"})
+    assert (named.draft_sample_method, named.rejection_sample_method) == ("probabilistic", "standard")
+    by_path = spec_of({"model": str(shipped_drafter(None))})  # a drafter named: vLLM's defaults
+    assert (by_path.draft_sample_method, by_path.rejection_sample_method) == ("greedy", "standard")
