@@ -93,7 +93,9 @@ class LLMEngine:
 
             shipped = default_speculative_config(loaded.name)
             if shipped is not None:
-                named = spec.given if spec.given is not None else {f.name for f in fields(spec)}
+                named = getattr(spec, "given", None)  # the keys SpeculativeConfig.parse saw named
+                if named is None:  # built in code: every field counts as chosen
+                    named = {f.name for f in fields(spec)}
                 spec = replace(spec, **{k: v for k, v in shipped.items() if k == "model" or k not in named})
         if spec is not None and factory is None:
             factory = DSparkProposerFactory(spec, mc, cfg.max_model_len + 64, cfg.dtype, dev)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 
@@ -22,10 +22,6 @@ class SpeculativeConfig:
     num_speculative_tokens: int | None = None  # None: the drafter's block size
     draft_sample_method: str = "greedy"
     rejection_sample_method: str = "standard"
-    # the keys a parsed config named (None: built in code, every field counts as chosen): when the engine
-    # fills in the drafter dspark ships for the target (no "model"), it also fills in that drafter's
-    # recommended settings for the keys not named (dspark.drafters.default_speculative_config)
-    given: frozenset[str] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.method != "dspark":
@@ -54,10 +50,16 @@ class SpeculativeConfig:
                 raise SpeculativeConfigError(f"speculative config is not valid JSON: {e}") from None
         if not isinstance(value, dict):
             raise SpeculativeConfigError(f"speculative config must be a JSON object, got {type(value).__name__}")
-        known = {f.name for f in fields(cls) if f.name != "given"}
+        known = {f.name for f in fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:
             raise SpeculativeConfigError(
                 f"unknown speculative config key(s): {', '.join(unknown)} (known: {', '.join(sorted(known))})"
             )
-        return cls(**value, given=frozenset(value))
+        cfg = cls(**value)
+        # the keys it named, kept beside the fields (not one: asdict / replace leave it out): when the
+        # engine fills in the drafter dspark ships for the target (no "model"), it also fills in that
+        # drafter's recommended settings for the keys not named (default_speculative_config). A config
+        # built in code has none: every field counts as chosen.
+        object.__setattr__(cfg, "given", frozenset(value))
+        return cfg
