@@ -86,6 +86,8 @@ def add_bench_matrix_arguments(p: argparse.ArgumentParser) -> None:
                    help="dspark runs a cell's prompts in waves of B, as HF does (default: continuous batching "
                         "at concurrency B)")
     p.add_argument("--temperatures", default="0,1", help="comma-separated; 0 = greedy (default: 0,1)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling for the sampled cells (T > 0), every system alike (default: 1, off)")
     p.add_argument("--max-tokens", type=int, default=None,
                    help="new tokens per request, EOS ignored (default: 256 on CUDA, 32 on CPU)")
     p.add_argument("--warmup", type=int, default=1, help="untimed calls per system and cell (default: 1)")
@@ -123,6 +125,8 @@ def _sync(device: str) -> None:
 class DsparkSystem:
     """An ``LLM`` whose engine steps are counted (the only timing this file adds to the engine's own)."""
 
+    top_p = 1.0  # sampled cells (run_bench_matrix sets --top-p)
+
     def __init__(self, llm) -> None:
         self.llm = llm
         self.steps = 0
@@ -141,7 +145,8 @@ class DsparkSystem:
         engine = self.llm.engine
         st, dev = engine.spec_stats, engine.config.device
         before = (self.steps, st.num_steps, st.num_accepted, st.verify_time_s, st.draft_time_s)
-        params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True)
+        params = SamplingParams(temperature=temperature, top_p=self.top_p if temperature > 0 else 1.0,
+                                max_tokens=max_tokens, ignore_eos=True)
         engine.scheduler.max_num_seqs = min(concurrency or len(batch), engine.config.max_num_seqs)
         gc_module.collect()  # each timed call starts from the same collector state (earlier calls' outputs freed)
         _sync(dev)
@@ -159,6 +164,8 @@ class DsparkSystem:
 
 
 class HFSystem:
+    top_p = 1.0
+
     def __init__(self, model: torch.nn.Module, mode: str, device: str, pad_token_id: int) -> None:
         self.model, self.mode, self.device, self.pad = model, mode, device, pad_token_id
 
@@ -172,8 +179,8 @@ class HFSystem:
         kw: dict[str, Any] = dict(max_new_tokens=max_tokens, pad_token_id=self.pad)
         if temperature == 0:
             kw["do_sample"] = False
-        else:  # plain sampling at the temperature, as dspark's SamplingParams(temperature=T) does
-            kw.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+        else:  # sampling at the temperature (and --top-p), as dspark's SamplingParams(temperature=T) does
+            kw.update(do_sample=True, temperature=temperature, top_k=0, top_p=self.top_p)
         if self.mode == "static-compiled":
             from transformers import CompileConfig
 
@@ -403,6 +410,8 @@ def _run_bench_matrix(a: argparse.Namespace) -> int:
     prompt_sets = [x.strip() for x in a.prompt_sets.split(",") if x.strip()]
     if not batch_sizes or min(batch_sizes) < 1 or not temperatures or not prompt_sets or a.runs < 1:
         raise ValueError("need batch sizes >= 1, at least one temperature and prompt set, and --runs >= 1")
+    if not 0.0 < a.top_p <= 1.0:
+        raise ValueError(f"--top-p must be in (0, 1], got {a.top_p}")
     if a.cell_prompts is not None and a.cell_prompts < 1:
         raise ValueError("--cell-prompts must be >= 1")
     # whole waves of B (HF's, and dspark's with --static-batches)
@@ -480,6 +489,8 @@ def _run_bench_matrix(a: argparse.Namespace) -> int:
             log(f"warning: {ps} at batch {max(batch_sizes)} needs ~{need} KV slots, the engine has {capacity}: "
                 f"requests will wait or be preempted (raise --kv-cache-memory-gb)")
 
+    for system in systems.values():
+        system.top_p = a.top_p
     cells: list[dict] = []
     res = run_header("dspark bench: HF transformers vs dspark vs dspark + DSpark, side by side", engine, device) | {
         "complete": False,  # the JSON is rewritten after every (prompt set, temperature, batch size)
@@ -490,6 +501,7 @@ def _run_bench_matrix(a: argparse.Namespace) -> int:
         "prompt_sets": {ps: {"num_prompts": len(p), "mean_prompt_tokens": statistics.mean(map(len, p))}
                         for ps, p in prompts.items()},
         "temperatures": temperatures,
+        "top_p": a.top_p,
         "max_tokens": max_tokens,
         "warmup": a.warmup,
         "runs": a.runs,

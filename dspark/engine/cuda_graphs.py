@@ -16,6 +16,9 @@ What is captured (only with the triton attention backend on CUDA, unless ``enfor
   the committed rows (a ``valid`` mask skips rejected and padding rows) and the whole proposal —
   block pass, drafter attention over the paged context, base logits, the fused Markov sampler over
   all N slots (not the confidence head: nothing in the engine reads c_k yet).
+- **Verification graphs** (q > 1), one per (B, kind): after the target graph, the argmax and greedy
+  verification of every row and, for sampled rows, their processed distributions and the fused
+  rejection kernel (``_verify_step``; the runner picks the kind, ``verify_kind``).
 - A step qualifies when every scheduled request samples and has no prefill rows (each runs
   1 + its drafts rows), and the batch fits the largest captured size; with DSpark, prefill chunks
   can ride along as prefill rows (below); anything else runs eagerly, as with ``enforce_eager``.
@@ -50,7 +53,9 @@ max_model_len 8192 does the work of the 1k graph, not the 8k one.
 Inputs live in fixed device buffers written before each replay (one host->device copy of the packed
 integer inputs, one of the block tables); the large outputs (fp32 logits, the drafts' q) go to
 buffers shared by all graphs of a kind, the small ones stay in each graph's own tensors (kept alive,
-so the shared memory pool never hands them out). ``capture=False`` runs the very same padded, fixed-shape
+so graphs captured later never take their memory) and are read or cloned before any graph captured
+earlier replays, whose scratch may lie there (verification's outputs, read after the drafter graph,
+have fixed buffers for that reason). ``capture=False`` runs the very same padded, fixed-shape
 step eagerly: on a CPU (Triton's interpreter) the tests check all the padding logic that way.
 """
 
@@ -63,12 +68,18 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dspark.sample.sampler import SamplingBatch, sampling_row
+from dspark.sample.sampler import SamplingBatch, compute_probs, sampling_row
 
 logger = logging.getLogger(__name__)
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
 SMALLEST_BUCKET = 512
+# Verification graphs with top-k / top-p / min-p (a sort of every row's vocabulary: its scratch is ~30 bytes
+# per row and token, 750 MB at 512 rows of SmolLM2's 49,152) are captured up to this many rows; larger
+# steps verify such requests eagerly (ModelRunner._verify_sampled).
+FILTER_GRAPH_ROWS = 512
+# the kinds of verification graph (StepGraphs._verify_step)
+VERIFY_GREEDY, VERIFY_SAMPLED, VERIFY_FILTERED = 0, 1, 2
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -164,6 +175,16 @@ class StepGraphs:
         # logits and the drafts' q. Each is read before the next replay of its kind (stream order).
         self.logits = torch.empty(Tm, V, **f32)
         self.probs = torch.empty(Bm, self.n_spec, V, **f32) if self.draft_graphs else None
+        # The q of the drafts a sampled verification graph checks, written by the runner before the replay
+        # (set_verify_q); rows of greedy and padding requests hold stale values that are never read.
+        self.vq = torch.zeros(Bm, self.n_spec, V, **f32) if self.draft_graphs else None
+        # Verification's outputs (tokens, emitted counts, argmax) in fixed buffers, not in the graph pool: the
+        # drafter graph replays between the verification and the read of its outputs (the step's read-back,
+        # the next step's rows_from_previous_step), and a graph captured before another one uses the
+        # memory of the later graph's outputs as scratch.
+        self.v_out = torch.zeros(Bm, q, **i64)
+        self.v_n = torch.zeros(Bm, **i64)
+        self.v_am = torch.zeros(Bm, q, **i64)
         self.taps = None
         if runner.proposer is not None and runner.model.tap_layers:
             mc = runner.model_config
@@ -178,11 +199,12 @@ class StepGraphs:
             )
         self.target: dict[tuple[int, int], _Captured] = {}
         self.draft: dict[tuple[int, int, bool], _Captured] = {}
+        self.verify: dict[tuple[int, int], _Captured] = {}
         self.pool = None
         # replays; steps on the runner's one-sync path; steps launched before the previous one was read back
         # steps replayed; one-sync steps; steps launched on top of another (async), of which with
         # prompts admitted as prefill rows (async_admit)
-        self.stats = {"target": 0, "draft": 0, "one_sync": 0, "async": 0, "async_admit": 0}
+        self.stats = {"target": 0, "draft": 0, "verify": 0, "one_sync": 0, "async": 0, "async_admit": 0}
 
     def _use_set(self, k: int) -> None:
         self._set = k
@@ -226,6 +248,59 @@ class StepGraphs:
                                probs_out=self.probs[:B] if prob else None)
         return (prop.tokens, prop.probs, prop.confidence)
 
+    def verify_kind(self, Bg: int, sampled: bool, filtered: bool) -> int | None:
+        """The verification graph a step of Bg rows takes (VERIFY_*): greedy rows only, sampled rows at
+        temperature only, or sampled rows with top-k / top-p / min-p (None: not captured at this size)."""
+        if not sampled:
+            return VERIFY_GREEDY
+        if not filtered:
+            return VERIFY_SAMPLED
+        return VERIFY_FILTERED if Bg * self.q <= FILTER_GRAPH_ROWS else None
+
+    def _verify_kinds(self, B: int) -> list[int]:
+        if not self.draft_graphs:
+            return [VERIFY_GREEDY]
+        return [VERIFY_GREEDY, VERIFY_SAMPLED] + ([VERIFY_FILTERED] if B * self.q <= FILTER_GRAPH_ROWS else [])
+
+    def _verify_step(self, B: int, kind: int) -> tuple:
+        """Verification of the drafts in the target step's logits (run after it): the argmax of every
+        row and greedy verification of every request; VERIFY_SAMPLED / VERIFY_FILTERED: also the
+        verification by rejection_sample_method of every request against its processed distribution
+        (temperature; with VERIFY_FILTERED also each row's top-k, top-p and min-p, neutral values doing
+        nothing) and the drafts' q in ``vq``, taken for the rows with temperature > 0. The same
+        distributions, keys and kernel as ModelRunner._verify_sampled, so the same tokens. Returns
+        (tokens [B, q], emitted [B], argmax [B, q])."""
+        from dspark.kernels.spec_step import verify_greedy_rows
+
+        q, V = self.q, self.runner.vocab_size
+        logits = self.logits[:B * q].view(B, q, V)
+        am = logits.argmax(dim=-1)
+        drafts = self.input_ids[:B * q].view(B, q)[:, 1:]
+        nd = self.num_drafts[:B]
+        out, n_out = verify_greedy_rows(am, drafts, nd)
+        if kind != VERIFY_GREEDY:
+            s = self.sampling
+            t = s.temperature[:B]
+            plain = kind == VERIFY_SAMPLED
+            rows = SamplingBatch(  # each request's settings on its q rows (SamplingBatch.repeat_rows)
+                temperature=t.repeat_interleave(q), top_k=s.top_k[:B].repeat_interleave(q),
+                top_p=s.top_p[:B].repeat_interleave(q), min_p=s.min_p[:B].repeat_interleave(q), seeds=s.seeds[:B],
+                positions=self.num_tokens[:B], repetition_penalty=s.repetition_penalty[:B],
+                frequency_penalty=s.frequency_penalty[:B], presence_penalty=s.presence_penalty[:B],
+                all_greedy=False, all_random=True, no_top_k=plain, no_top_p=plain, no_min_p=plain,
+                no_penalties=True, max_top_k=V,
+            )
+            probs = compute_probs(logits.reshape(-1, V), rows).view(B, q, V)
+            r = self.runner
+            o, n = r._verify_probabilistic(r.spec.rejection_sample_method, probs, drafts, self.vq[:B], nd,
+                                           s.seeds[:B], self.num_tokens[:B])
+            pick = t > 0
+            out, n_out = torch.where(pick.unsqueeze(1), o, out), torch.where(pick, n, n_out)
+        outs = (self.v_out[:B], self.v_n[:B], self.v_am[:B])
+        for buf, v in zip(outs, (out, n_out, am)):
+            buf.copy_(v)
+        return outs
+
     def _run(self, table: dict, key: tuple, fn) -> tuple:
         c = table.get(key)
         if c is None:
@@ -253,11 +328,14 @@ class StepGraphs:
         if self.draft_graphs:
             keys += [("draft", (B, k, prob)) for B in reversed(self.batch_sizes) for k in reversed(self.buckets)
                      for prob in (False, True)]
+        if self.q > 1:
+            keys += [("verify", (B, kind)) for B in reversed(self.batch_sizes) for kind in self._verify_kinds(B)]
         self.pool = torch.cuda.graph_pool_handle()
         self._reset_inputs()
         with torch.inference_mode():
             for kind, key in tqdm(keys, desc="capturing CUDA graphs", unit="graph", leave=False):
-                table, fn = (self.target, self._target_step) if kind == "target" else (self.draft, self._draft_step)
+                table, fn = {"target": (self.target, self._target_step), "draft": (self.draft, self._draft_step),
+                             "verify": (self.verify, self._verify_step)}[kind]
                 fn(*key)  # warm up: Triton compiles, cuBLAS picks its kernels, outside the capture
                 torch.cuda.synchronize(dev)
                 g = torch.cuda.CUDAGraph()
@@ -440,6 +518,23 @@ class StepGraphs:
         tokens, probs, _ = self._run(self.draft, (Bg, bucket, any_prob), self._draft_step)
         self.stats["draft"] += 1
         return tokens, probs
+
+    def replay_verify(self, Bg: int, kind: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """After replay_target: (tokens [Bg, q], emitted [Bg], argmax [Bg, q]) of _verify_step, in the
+        buffers every verification graph shares: a step launched on top of this one reads them
+        (rows_from_previous_step) before its own verification rewrites them, in stream order."""
+        out = self._run(self.verify, (Bg, kind), self._verify_step)
+        self.stats["verify"] += 1
+        return out
+
+    def set_verify_q(self, rows: list[int], dq: torch.Tensor, index: torch.Tensor | None = None) -> None:
+        """Write the sampled requests' draft q [S, >= N, V] to their graph rows ``rows`` of ``vq``
+        (``index``: those rows on the device, when they are not 0..S-1)."""
+        n = self.n_spec
+        if index is None:
+            self.vq[:len(rows)].copy_(dq[:, :n])
+        else:
+            self.vq[index] = dq[:, :n]
 
     def bucket_for(self, context: int) -> int | None:
         """The context bucket a step whose longest request reaches ``context`` tokens replays."""

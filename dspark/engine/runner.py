@@ -396,9 +396,18 @@ class ModelRunner:
         pre = set(prefill)  # never with ``prev``; a sampled prefill chunk draws its first token with the Sampler
         sampled = [b for b, r in enumerate(reqs) if not r.params.greedy and b not in pre]
         sampled_pre = [b for b in prefill if not reqs[b].params.greedy and scheduled[b].samples]
+        # Verification as a graph (StepGraphs._verify_step); sampled requests with top-k, top-p or min-p
+        # in a step too large for those graphs (FILTER_GRAPH_ROWS) go through _verify_sampled's eager ops.
+        # Why: at T = 1 the eager verification was most of the host's time per step (H200, session 21:
+        # 0.76 of 1.93 ms at B = 1, where the GPU step takes 1.33 ms; session 22: T = 1 DSpark 1.7x faster).
+        V = self.vocab_size
+        filtered = any(sampling_row(reqs[b].params, V)[1:] != (V, 1.0, 0.0) for b in sampled)
+        kind = G.verify_kind(Bg, bool(sampled), filtered) if q > 1 else None
+        graph_verify = kind is not None
         # the sampled requests' target distributions: settings, seeds and positions as _verify builds them
         # (positions: num_tokens once prev is applied, i.e. + prev.n_out, added on the device below)
-        batch = self._sampling_batch([reqs[b] for b in sampled], [reqs[b].num_tokens for b in sampled]) if sampled else None
+        batch = (self._sampling_batch([reqs[b] for b in sampled], [reqs[b].num_tokens for b in sampled])
+                 if sampled and not graph_verify else None)
         batch_pre = (self._sampling_batch([reqs[b] for b in sampled_pre], [reqs[b].num_tokens for b in sampled_pre])
                      if sampled_pre else None)
         G.upload(Bg)
@@ -410,7 +419,8 @@ class ModelRunner:
             if sampled:  # prev's rows of the sampled requests (all on top): the host has not read it yet
                 rows = [prev_rows[b] for b in sampled]
                 idx = slice(0, len(rows)) if rows == list(range(len(rows))) else self._index(rows)
-                batch.positions = batch.positions + prev.n_out[idx]
+                if batch is not None:  # (the graph takes the positions from num_tokens, moved on the device)
+                    batch.positions = batch.positions + prev.n_out[idx]
                 d = prev.drafts[idx]
                 dq = (prev.draft_q[idx] if prev.draft_q is not None  # else drafted greedily: one-hot
                       else _one_hot_q(d, self.vocab_size))
@@ -418,19 +428,31 @@ class ModelRunner:
         if ev:
             ev[0].record()
         logits = G.replay_target(Bg, bucket)[:R]  # [R, q, V]
-        am = logits.argmax(dim=-1)  # [R, q]
         commit = None
         if q > 1:
             drafts_in = G.input_ids[:Bg * q].view(Bg, q)[:R, 1:]
-            out, n_out = verify_greedy_rows(am, drafts_in, G.num_drafts[:R])  # verify_greedy in one launch
-            if sampled:
-                out, n_out = self._verify_sampled([reqs[b] for b in sampled], [row_of[b] for b in sampled], logits,
-                                                  drafts_in, G.num_drafts[:R], batch, out, n_out, dq)
+            srows = [row_of[b] for b in sampled]
+            if graph_verify:
+                if sampled:
+                    whole = srows == list(range(len(srows)))
+                    index = None if whole else self._index(srows)
+                    if dq is None:
+                        d = drafts_in[:len(srows)] if whole else drafts_in[index]
+                        dq = self._draft_q([reqs[b] for b in sampled], d, q - 1, V)
+                    G.set_verify_q(srows, dq, index)
+                out, n_out, am = G.replay_verify(Bg, kind)
+                out, n_out, am = out[:R], n_out[:R], am[:R]
+            else:
+                am = logits.argmax(dim=-1)  # [R, q]
+                out, n_out = verify_greedy_rows(am, drafts_in, G.num_drafts[:R])  # verify_greedy in one launch
+                if sampled:
+                    out, n_out = self._verify_sampled([reqs[b] for b in sampled], srows, logits, drafts_in,
+                                                      G.num_drafts[:R], batch, out, n_out, dq)
             if prefill:
                 out, n_out, commit = self._prefill_outcome(scheduled, prefill, counts, row_of, am, logits, out, n_out,
                                                            sampled_pre, batch_pre)
         else:
-            out, n_out = am, G.ones[:R]
+            out, n_out = logits.argmax(dim=-1), G.ones[:R]
         parts = [out.reshape(-1), n_out]
         if ev:
             ev[1].record()

@@ -55,13 +55,16 @@ def tiny(tmp_path_factory):
 def test_matrix_has_every_cell_consistent_speedups_lossless_greedy_and_plots(tiny, one_thread, capsys):
     root, common, source = tiny
     out, plots = root / "matrix.json", root / "plots"
+    assert main(["bench", *common, "--top-p", "0", "--json", str(out)]) == 2
+    assert "--top-p must be in (0, 1], got 0.0" in capsys.readouterr().err and not out.exists()
     rc = main(["bench", *common, "--batch-sizes", "1,2", "--max-tokens", "4", "--prompt-source", str(source),
-               "--json", str(out), "--plot-dir", str(plots)])
+               "--top-p", "0.9", "--json", str(out), "--plot-dir", str(plots)])
     assert rc == 0
     # the drafter passed by path drafts greedily (SpeculativeConfig's default) in the T=1 cells: said so
     assert 'draft_sample_method "greedy"' in capsys.readouterr().err
     res = json.loads(out.read_text())
     assert res["complete"] and res["hf_mode"] == "eager" and res["speculative_config"]["num_spec_tokens"] == 3
+    assert res["top_p"] == 0.9  # the sampled cells' nucleus, every system alike
     cells = {(c["system"], c["batch_size"], c["prompt_set"], c["temperature"]): c for c in res["cells"]}
     want = {(s, b, ps, t) for s in ("hf", "dspark_plain", "dspark_spec") for b in (1, 2)
             for ps in ("sharegpt", "code") for t in (0.0, 1.0)}

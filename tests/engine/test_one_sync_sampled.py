@@ -16,6 +16,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
 from dspark import LLM, SamplingParams  # noqa: E402
+from dspark.engine import cuda_graphs  # noqa: E402
 from tests.engine.test_async_scheduling import _drive, _summary, prompts, spec_pair  # noqa: E402,F401
 
 
@@ -36,15 +37,21 @@ PARAMS = {
     "mixed": [SamplingParams(temperature=0.4, top_p=0.9, seed=5, max_tokens=20, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=17, ignore_eos=True),
               SamplingParams(temperature=0.6, top_k=7, min_p=0.05, seed=9, max_tokens=22, ignore_eos=True)],
+    # temperature only: verified by the sampled verification graph (StepGraphs._verify_step), greedy beside it
+    "mixed_t": [SamplingParams(temperature=0.4, seed=5, max_tokens=20, ignore_eos=True),
+                SamplingParams(temperature=0, max_tokens=17, ignore_eos=True),
+                SamplingParams(temperature=0.6, seed=9, max_tokens=22, ignore_eos=True)],
 }
 
 
-@pytest.mark.parametrize("case,spec", [
-    ("sampled", {}),
-    ("mixed", {"draft_sample_method": "greedy"}),
-    ("mixed", {"rejection_sample_method": "block"}),
+@pytest.mark.parametrize("case,spec,filter_rows", [
+    ("sampled", {}, 512),
+    ("mixed", {"draft_sample_method": "greedy"}, 512),
+    ("mixed", {"rejection_sample_method": "block"}, 0),  # filtered rows over the graphs' cap: eager ops
+    ("mixed_t", {"rejection_sample_method": "block"}, 512),
 ])
-def test_one_sync_sampled_steps_match_the_host_path(spec_pair, prompts, case, spec):
+def test_one_sync_sampled_steps_match_the_host_path(spec_pair, prompts, case, spec, filter_rows, monkeypatch):
+    monkeypatch.setattr(cuda_graphs, "FILTER_GRAPH_ROWS", filter_rows)
     reqs = list(zip(prompts, PARAMS[case]))
     ref = _llm(spec_pair, False, **spec)
     want, _, _ = _drive(ref, reqs)
@@ -59,6 +66,11 @@ def test_one_sync_sampled_steps_match_the_host_path(spec_pair, prompts, case, sp
     assert one_sync >= 0.8 * verify_steps  # the path really taken: (nearly) every verification step
     if case == "sampled":
         assert ref_one_sync == 0
+    # the verification graph that took the sampled rows, or none (_verify_sampled's eager ops)
+    kinds = {kind for _, kind in llm.engine.runner.graphs.verify}
+    want_kind = {"sampled": cuda_graphs.VERIFY_SAMPLED, "mixed_t": cuda_graphs.VERIFY_SAMPLED,
+                 "mixed": cuda_graphs.VERIFY_FILTERED if filter_rows else None}[case]
+    assert kinds - {cuda_graphs.VERIFY_GREEDY} == ({want_kind} if want_kind is not None else set())
     assert not llm.engine.runner.draft_probs and not ref.engine.runner.draft_probs  # released at the end
 
 
