@@ -190,6 +190,8 @@ class StepGraphs:
             mc = runner.model_config
             self.taps = torch.zeros(Tm, len(runner.model.tap_layers) * mc.hidden_size, dtype=cfg.dtype, device=dev)
         if self.draft_graphs:
+            # the drafter's top-k / top-p / min-p: none (sampler.draft_params); the uploaded ones are verification's
+            self._draft_filters = (torch.full((Bm,), V, **i64), torch.ones(Bm, **f32), torch.zeros(Bm, **f32))
             self.sampling = SamplingBatch(
                 temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seeds=seeds,
                 positions=torch.zeros(Bm, **i64), repetition_penalty=torch.ones(Bm, **f32),
@@ -236,8 +238,9 @@ class StepGraphs:
         T = B * self.q
         p.write_context(self.taps[:T], self.positions[:T], self.slot_mapping[:T], valid=self.valid[:T])
         s = self.sampling
+        top_k, top_p, min_p = (t[:B] for t in self._draft_filters)
         batch = SamplingBatch(
-            temperature=s.temperature[:B], top_k=s.top_k[:B], top_p=s.top_p[:B], min_p=s.min_p[:B],
+            temperature=s.temperature[:B], top_k=top_k, top_p=top_p, min_p=min_p,
             seeds=s.seeds[:B], positions=s.positions[:B], repetition_penalty=s.repetition_penalty[:B],
             frequency_penalty=s.frequency_penalty[:B], presence_penalty=s.presence_penalty[:B],
             all_greedy=not prob, all_random=False, no_top_k=False, no_top_p=False, no_min_p=False,
@@ -471,8 +474,10 @@ class StepGraphs:
         return Bg, _pick(self.buckets, int(st.max()) + q)
 
     def prepare_draft(self, Bg: int, rows: list[int], params: list, seeds: list[int], prob: list[bool]) -> None:
-        """Write the drafter's sampling inputs (they do not depend on this step's outcome) for the
-        batch rows ``rows``; other rows draft greedily and are never read."""
+        """Write the sampling inputs (they do not depend on this step's outcome) of the batch rows
+        ``rows``: temperature, seed and probabilistic flag for the drafter, and top-k / top-p / min-p
+        for verification (_verify_step; the drafter graph drafts without them, sampler.draft_params);
+        other rows draft greedily and are never read."""
         Tm, Bm, V = self.max_rows, self.max_batch, self.runner.vocab_size
         hi, hf, hb = self._hi, self._hf, self._hb
         base = 3 * Tm

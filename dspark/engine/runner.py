@@ -30,7 +30,7 @@ from dspark.layers.attention import BatchLayout, TorchAttentionBackend
 from dspark.layers.linear import use_batch_invariant, use_cpu_split_k
 from dspark.models.llama import LlamaForCausalLM
 from dspark.models.loader import LoadedModel
-from dspark.sample.sampler import Sampler, SamplingBatch, as_int64, compute_probs, sampling_row
+from dspark.sample.sampler import Sampler, SamplingBatch, as_int64, compute_probs, draft_params, sampling_row
 from dspark.spec.config import SpeculativeConfig
 from dspark.spec.proposer import Proposer
 from dspark.spec.rejection import verify_greedy, verify_probabilistic
@@ -206,9 +206,10 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _sampling_batch(self, reqs: list[Request], positions: list[int]) -> SamplingBatch:
+    def _sampling_batch(self, reqs: list[Request], positions: list[int], draft: bool = False) -> SamplingBatch:
+        """The requests' sampling settings as tensors; ``draft``: the drafter's (draft_params)."""
         return SamplingBatch.build(
-            [r.params for r in reqs], [r.seed for r in reqs], positions,
+            [draft_params(r.params) if draft else r.params for r in reqs], [r.seed for r in reqs], positions,
             [r.prompt_token_ids for r in reqs], [r.output_token_ids for r in reqs], self.vocab_size, self.device,
         )
 
@@ -864,7 +865,7 @@ class ModelRunner:
             N = max(c[4] for c in cand)
             anchors = torch.tensor([c[2] for c in cand], device=dev)
             anchor_pos = torch.tensor([c[3] for c in cand], device=dev)
-            batch = self._sampling_batch(reqs, [c[3] + 1 for c in cand])
+            batch = self._sampling_batch(reqs, [c[3] + 1 for c in cand], draft=True)
             prop = self.proposer.propose(reqs, anchors, anchor_pos, block_tables[[c[0] for c in cand]], N, batch, prob)
             tokens, probs = prop.tokens, prop.probs
         toks = tokens.tolist()

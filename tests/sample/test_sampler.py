@@ -430,3 +430,16 @@ def test_logprobs_raw() -> None:
     sampled0, ids0, values0 = Sampler().logprobs(logits.bfloat16(), tokens, 0)
     assert sampled0.shape == (3,) and sampled0.dtype == torch.float32
     assert ids0.shape == (3, 0) and values0.shape == (3, 0)
+
+
+def test_draft_params_keep_temperature_seed_and_penalties_without_filters():
+    """DSpark drafts at the request's temperature without its top-k / top-p / min-p (sampler.draft_params):
+    verification checks the drafts against the filtered target with q = what they were drawn from."""
+    from dspark.sample.sampler import draft_params
+
+    p = SamplingParams(temperature=0.7, top_k=20, top_p=0.9, min_p=0.05, seed=3, presence_penalty=0.5, max_tokens=9)
+    d = draft_params(p)
+    assert (d.top_k, d.top_p, d.min_p) == (-1, 1.0, 0.0)
+    assert (d.temperature, d.seed, d.presence_penalty, d.max_tokens) == (0.7, 3, 0.5, 9)
+    plain = SamplingParams(temperature=1.0)
+    assert draft_params(plain) is plain
