@@ -120,7 +120,7 @@ def profile_system(llm: LLM, prompts: list[list[int]], batch: int, max_tokens: i
     timers: dict[str, float] = defaultdict(float)
     timed = [(runner, "launch_one_sync"), (runner, "finish_one_sync"), (engine.scheduler, "schedule_on_top"),
              (engine.scheduler, "update"), (engine.scheduler, "schedule"), (engine, "_apply"), (engine, "_outputs"),
-             (runner.graphs, "prepare_target"), (runner.graphs, "prepare_draft"), (runner.graphs, "upload"),
+             (runner.graphs, "prepare_target"), (runner.graphs, "prepare_sampling"), (runner.graphs, "upload"),
              (runner.graphs, "rows_from_previous_step"), (runner.graphs, "drafter_inputs_on_device"),
              (runner.graphs, "replay_target"), (runner.graphs, "replay_draft"), (runner, "_sampling_batch"),
              (runner, "_verify_sampled"), (runner, "_prefill_outcome"), (engine.kv, "truncate")]

@@ -189,24 +189,27 @@ class StepGraphs:
         if runner.proposer is not None and runner.model.tap_layers:
             mc = runner.model_config
             self.taps = torch.zeros(Tm, len(runner.model.tap_layers) * mc.hidden_size, dtype=cfg.dtype, device=dev)
+        # The sampling settings every graph that samples reads (prepare_sampling writes them).
+        self.sampling = SamplingBatch(
+            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seeds=seeds,
+            positions=torch.zeros(Bm, **i64), repetition_penalty=torch.ones(Bm, **f32),
+            frequency_penalty=torch.zeros(Bm, **f32), presence_penalty=torch.zeros(Bm, **f32),
+            all_greedy=False, all_random=False, no_top_k=False, no_top_p=False, no_min_p=False,
+            no_penalties=True, max_top_k=V,
+        )
         if self.draft_graphs:
             # the drafter's top-k / top-p / min-p: none (sampler.draft_params); the uploaded ones are verification's
             self._draft_filters = (torch.full((Bm,), V, **i64), torch.ones(Bm, **f32), torch.zeros(Bm, **f32))
-            self.sampling = SamplingBatch(
-                temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seeds=seeds,
-                positions=torch.zeros(Bm, **i64), repetition_penalty=torch.ones(Bm, **f32),
-                frequency_penalty=torch.zeros(Bm, **f32), presence_penalty=torch.zeros(Bm, **f32),
-                all_greedy=False, all_random=False, no_top_k=False, no_top_p=False, no_min_p=False,
-                no_penalties=True, max_top_k=V,
-            )
+        self.s_out = torch.zeros(Bm, **i64)  # a sampling graph's tokens (a fixed buffer: see v_out)
         self.target: dict[tuple[int, int], _Captured] = {}
         self.draft: dict[tuple[int, int, bool], _Captured] = {}
         self.verify: dict[tuple[int, int], _Captured] = {}
+        self.sample: dict[tuple[int], _Captured] = {}
         self.pool = None
         # replays; steps on the runner's one-sync path; steps launched before the previous one was read back
         # steps replayed; one-sync steps; steps launched on top of another (async), of which with
         # prompts admitted as prefill rows (async_admit)
-        self.stats = {"target": 0, "draft": 0, "verify": 0, "one_sync": 0, "async": 0, "async_admit": 0}
+        self.stats = {"target": 0, "draft": 0, "verify": 0, "sample": 0, "one_sync": 0, "async": 0, "async_admit": 0}
 
     def _use_set(self, k: int) -> None:
         self._set = k
@@ -304,6 +307,22 @@ class StepGraphs:
             buf.copy_(v)
         return outs
 
+    def _sample_step(self, B: int) -> tuple:
+        """Without speculation (q = 1): the tokens of a decode step whose rows are greedy or sampled at a
+        temperature only (the runner samples other rows eagerly), drawn exactly as the Sampler draws them
+        (Gumbel-max keyed by (seed, position = num_tokens, STREAM_SAMPLE); greedy rows the argmax)."""
+        s = self.sampling
+        batch = SamplingBatch(
+            temperature=s.temperature[:B], top_k=s.top_k[:B], top_p=s.top_p[:B], min_p=s.min_p[:B],
+            seeds=s.seeds[:B], positions=self.num_tokens[:B], repetition_penalty=s.repetition_penalty[:B],
+            frequency_penalty=s.frequency_penalty[:B], presence_penalty=s.presence_penalty[:B],
+            all_greedy=False, all_random=False, no_top_k=True, no_top_p=True, no_min_p=True,
+            no_penalties=True, max_top_k=0,
+        )
+        out = self.s_out[:B]
+        out.copy_(self.runner.sampler(self.logits[:B], batch, no_sync=True))
+        return (out,)
+
     def _run(self, table: dict, key: tuple, fn) -> tuple:
         c = table.get(key)
         if c is None:
@@ -333,12 +352,14 @@ class StepGraphs:
                      for prob in (False, True)]
         if self.q > 1:
             keys += [("verify", (B, kind)) for B in reversed(self.batch_sizes) for kind in self._verify_kinds(B)]
+        else:
+            keys += [("sample", (B,)) for B in reversed(self.batch_sizes)]
         self.pool = torch.cuda.graph_pool_handle()
         self._reset_inputs()
         with torch.inference_mode():
             for kind, key in tqdm(keys, desc="capturing CUDA graphs", unit="graph", leave=False):
                 table, fn = {"target": (self.target, self._target_step), "draft": (self.draft, self._draft_step),
-                             "verify": (self.verify, self._verify_step)}[kind]
+                             "verify": (self.verify, self._verify_step), "sample": (self.sample, self._sample_step)}[kind]
                 fn(*key)  # warm up: Triton compiles, cuBLAS picks its kernels, outside the capture
                 torch.cuda.synchronize(dev)
                 g = torch.cuda.CUDAGraph()
@@ -403,7 +424,7 @@ class StepGraphs:
         params, int64 seeds and probabilistic flags; no rows: only the context store matters).
         Returns (tokens [len(rows), N], probs [len(rows), N, V] | None)."""
         q, Tm, Bm = self.q, self.max_rows, self.max_batch
-        self.prepare_draft(Bg, rows, params, seeds, prob)
+        self.prepare_sampling(Bg, rows, params, seeds, prob)
         hb, hi = self._hb, self._hi
         hb[:Bg * q].reshape(Bg, q)[:] = np.arange(q)[None, :] < np.asarray(committed + [0] * (Bg - len(committed)))[:, None]
         a, ap = hi[3 * Tm:3 * Tm + Bg], hi[3 * Tm + Bm:3 * Tm + Bm + Bg]
@@ -473,11 +494,12 @@ class StepGraphs:
             nt[:B] = num_tokens
         return Bg, _pick(self.buckets, int(st.max()) + q)
 
-    def prepare_draft(self, Bg: int, rows: list[int], params: list, seeds: list[int], prob: list[bool]) -> None:
+    def prepare_sampling(self, Bg: int, rows: list[int], params: list, seeds: list[int], prob: list[bool]) -> None:
         """Write the sampling inputs (they do not depend on this step's outcome) of the batch rows
         ``rows``: temperature, seed and probabilistic flag for the drafter, and top-k / top-p / min-p
         for verification (_verify_step; the drafter graph drafts without them, sampler.draft_params);
-        other rows draft greedily and are never read."""
+        other rows draft greedily and are never read. Without speculation: the settings _sample_step
+        samples with."""
         Tm, Bm, V = self.max_rows, self.max_batch, self.runner.vocab_size
         hi, hf, hb = self._hi, self._hf, self._hb
         base = 3 * Tm
@@ -530,6 +552,12 @@ class StepGraphs:
         (rows_from_previous_step) before its own verification rewrites them, in stream order."""
         out = self._run(self.verify, (Bg, kind), self._verify_step)
         self.stats["verify"] += 1
+        return out
+
+    def replay_sample(self, Bg: int) -> torch.Tensor:
+        """After replay_target (q = 1): [Bg] tokens of _sample_step, in a buffer its next replay rewrites."""
+        (out,) = self._run(self.sample, (Bg,), self._sample_step)
+        self.stats["sample"] += 1
         return out
 
     def set_verify_q(self, rows: list[int], dq: torch.Tensor, index: torch.Tensor | None = None) -> None:

@@ -392,7 +392,7 @@ class ModelRunner:
         prob = [self.spec is not None and self.spec.draft_sample_method == "probabilistic" and not r.params.greedy
                 for r in reqs]
         if G.draft_graphs:
-            G.prepare_draft(Bg, [row_of[b] for b in drafting], [reqs[b].params for b in drafting],
+            G.prepare_sampling(Bg, [row_of[b] for b in drafting], [reqs[b].params for b in drafting],
                             [as_int64(reqs[b].seed) for b in drafting], [prob[b] for b in drafting])
         pre = set(prefill)  # never with ``prev``; a sampled prefill chunk draws its first token with the Sampler
         sampled = [b for b, r in enumerate(reqs) if not r.params.greedy and b not in pre]
@@ -610,17 +610,29 @@ class ModelRunner:
             assert min(ids) >= 0, "a pending input token needs the step that emits it"
         else:
             assert len(prev.scheduled) == B and all(a.request is b.request for a, b in zip(prev.scheduled, scheduled))
-        Bg, bucket = G.prepare_target(scheduled, ids, starts, tables)
-        G.upload(Bg, drafter=False)
+        reqs = [s.request for s in scheduled]
+        V = self.vocab_size
+        greedy = all(r.params.greedy for r in reqs)
+        # Sampled rows at a temperature only: drawn by the sampling graph (StepGraphs._sample_step), whose
+        # key positions are num_tokens (the token sampled sits there, pending placeholders included).
+        # Why: the Sampler's ~15 ops and two pinned copies made sampled decode host-bound at small batch.
+        graph_sample = not greedy and all(sampling_row(r.params, V)[1:] == (V, 1.0, 0.0) for r in reqs)
+        Bg, bucket = G.prepare_target(scheduled, ids, starts, tables,
+                                      [r.num_tokens for r in reqs] if graph_sample else None)
+        if graph_sample:
+            G.prepare_sampling(Bg, list(range(B)), [r.params for r in reqs], [as_int64(r.seed) for r in reqs],
+                               [False] * B)
+        G.upload(Bg, drafter=graph_sample)
         if prev is not None:  # after the upload in stream order: overwrites the placeholders
             G.input_ids[:B].copy_(prev.tokens)
         timing = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if self.device.type == "cuda" else None
         if timing:
             timing[0].record()
         logits = G.replay_target(Bg, bucket)[:B, 0]  # [B, V]
-        reqs = [s.request for s in scheduled]
-        if all(r.params.greedy for r in reqs):
+        if greedy:
             tokens = logits.argmax(dim=-1)  # [B]
+        elif graph_sample:
+            tokens = G.replay_sample(Bg)[:B]
         else:  # the token sampled sits at index num_tokens (pending placeholders included)
             tokens = self.sampler(logits, self._sampling_batch(reqs, [r.num_tokens for r in reqs]), no_sync=True)
         if timing:

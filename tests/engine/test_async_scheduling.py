@@ -148,20 +148,29 @@ def test_kv_pressure_matches_sync(target, prompts):
     assert sum(o.stats["num_preemptions"] for o in got.values()) > 0  # the pool really ran short
 
 
-def test_sampled_requests_match_sync(target, prompts):
+@pytest.mark.parametrize("case", ["filters", "temperature"])
+def test_sampled_requests_match_sync(target, prompts, case):
     """Seeded sampling (whole vocabulary; top-p; min-p) mixed with a greedy request in the same
     asynchronously launched steps: the noise is keyed by (seed, position), and the position of a
-    sampled token counts the pending placeholders, so the tokens equal the synchronous engine's."""
+    sampled token counts the pending placeholders, so the tokens equal the synchronous engine's.
+    Temperature-only rows are drawn by the sampling graph (StepGraphs._sample_step), rows with
+    top-p / min-p by the Sampler's eager ops."""
     params = [SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=3),
               SamplingParams(temperature=0.8, min_p=0.05, max_tokens=10, ignore_eos=True, seed=4),
               SamplingParams(temperature=0.7, top_p=0.9, max_tokens=11, ignore_eos=True, seed=5),
               SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)]
+    if case == "temperature":
+        params[1:3] = [SamplingParams(temperature=0.8, max_tokens=10, ignore_eos=True, seed=4),
+                       SamplingParams(temperature=0.7, max_tokens=11, ignore_eos=True, seed=5)]
     reqs = list(zip(prompts + prompts[:1], params))
     want, _, _ = _drive(_llm(target, False), reqs)
     llm = _llm(target, True)
     got, _, _ = _drive(llm, reqs)
     assert _summary(got) == _summary(want)
-    assert llm.engine.runner.graphs.stats["async"] > 0
+    g = llm.engine.runner.graphs
+    assert g.stats["async"] > 0
+    if case == "temperature":  # every launched step sampled by the graph (none all-greedy here)
+        assert g.stats["sample"] == g.stats["async"]
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, repetition_penalty=1.2),
