@@ -30,7 +30,8 @@ from dspark.layers.attention import BatchLayout, TorchAttentionBackend
 from dspark.layers.linear import use_batch_invariant, use_cpu_split_k
 from dspark.models.llama import LlamaForCausalLM
 from dspark.models.loader import LoadedModel
-from dspark.sample.sampler import Sampler, SamplingBatch, as_int64, compute_probs, draft_params, sampling_row
+from dspark.sample.sampler import (Sampler, SamplingBatch, as_int64, compute_probs, draft_params, sampling_row,
+                                   unfiltered)
 from dspark.spec.config import SpeculativeConfig
 from dspark.spec.proposer import Proposer
 from dspark.spec.rejection import verify_greedy, verify_probabilistic
@@ -402,7 +403,7 @@ class ModelRunner:
         # Why: at T = 1 the eager verification was most of the host's time per step (H200, session 21:
         # 0.76 of 1.93 ms at B = 1, where the GPU step takes 1.33 ms; session 22: T = 1 DSpark 1.7x faster).
         V = self.vocab_size
-        filtered = any(sampling_row(reqs[b].params, V)[1:] != (V, 1.0, 0.0) for b in sampled)
+        filtered = not all(unfiltered(reqs[b].params, V) for b in sampled)
         kind = G.verify_kind(Bg, bool(sampled), filtered) if q > 1 else None
         graph_verify = kind is not None
         # the sampled requests' target distributions: settings, seeds and positions as _verify builds them
@@ -616,7 +617,7 @@ class ModelRunner:
         # Sampled rows at a temperature only: drawn by the sampling graph (StepGraphs._sample_step), whose
         # key positions are num_tokens (the token sampled sits there, pending placeholders included).
         # Why: the Sampler's ~15 ops and two pinned copies made sampled decode host-bound at small batch.
-        graph_sample = not greedy and all(sampling_row(r.params, V)[1:] == (V, 1.0, 0.0) for r in reqs)
+        graph_sample = not greedy and all(unfiltered(r.params, V) for r in reqs)
         Bg, bucket = G.prepare_target(scheduled, ids, starts, tables,
                                       [r.num_tokens for r in reqs] if graph_sample else None)
         if graph_sample:

@@ -37,6 +37,12 @@ def sampling_row(p: SamplingParams, vocab_size: int) -> tuple[float, int, float,
     return p.temperature, vocab_size if p.top_k <= 0 else min(p.top_k, vocab_size), p.top_p, p.min_p
 
 
+def unfiltered(p: SamplingParams, vocab_size: int) -> bool:
+    """Whether a request samples from its whole temperature-scaled distribution: no top-k, top-p or
+    min-p (what the engine's sampling and verification graphs take)."""
+    return sampling_row(p, vocab_size)[1:] == (vocab_size, 1.0, 0.0)
+
+
 def draft_params(p: SamplingParams) -> SamplingParams:
     """The settings DSpark drafts a request's tokens with: its temperature, seed and penalties, without
     its top-k, top-p and min-p. Verification checks the drafts against the request's own distribution

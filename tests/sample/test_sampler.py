@@ -443,3 +443,8 @@ def test_draft_params_keep_temperature_seed_and_penalties_without_filters():
     assert (d.temperature, d.seed, d.presence_penalty, d.max_tokens) == (0.7, 3, 0.5, 9)
     plain = SamplingParams(temperature=1.0)
     assert draft_params(plain) is plain
+    from dspark.sample.sampler import unfiltered
+
+    assert unfiltered(plain, 100) and unfiltered(d, 100) and unfiltered(SamplingParams(temperature=1.0, top_k=100), 100)
+    assert not any(unfiltered(SamplingParams(temperature=1.0, **kw), 100)
+                   for kw in ({"top_k": 99}, {"top_p": 0.99}, {"min_p": 0.01}))
