@@ -19,6 +19,8 @@ What is captured (only with the triton attention backend on CUDA, unless ``enfor
 - **Verification graphs** (q > 1), one per (B, kind): after the target graph, the argmax and greedy
   verification of every row and, for sampled rows, their processed distributions and the fused
   rejection kernel (``_verify_step``; the runner picks the kind, ``verify_kind``).
+- **Sampling graphs** (q = 1), one per B: the draw of a decode step whose sampled rows have a
+  temperature only (``_sample_step``, the Sampler's own ops).
 - A step qualifies when every scheduled request samples and has no prefill rows (each runs
   1 + its drafts rows), and the batch fits the largest captured size; with DSpark, prefill chunks
   can ride along as prefill rows (below); anything else runs eagerly, as with ``enforce_eager``.
@@ -368,10 +370,12 @@ class StepGraphs:
                 table[key] = _Captured(g, out)
         torch.cuda.synchronize(dev)
         used = (free0 - torch.cuda.mem_get_info(dev)[0]) / 2**20
+        rest = ("; drafter steps (greedy and probabilistic) at the same sizes" if self.draft_graphs else "") + (
+            "; verification (greedy, sampled, filtered up to %d rows) per batch size" % FILTER_GRAPH_ROWS
+            if self.q > 1 else "; sampling per batch size")
         logger.info("captured %d CUDA graphs in %.1f s, %.0f MiB: target (q=%d) at batch sizes %s x context "
                     "buckets %s%s", len(keys), time.perf_counter() - t0, used, self.q, self.batch_sizes,
-                    self.buckets, "; drafter steps (greedy and probabilistic) at the same sizes"
-                    if self.draft_graphs else "")
+                    self.buckets, rest)
 
     def _reset_inputs(self) -> None:
         """Capture-time inputs: every request a padding request on the dummy block, every row greedy."""
