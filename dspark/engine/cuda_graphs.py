@@ -19,8 +19,8 @@ What is captured (only with the triton attention backend on CUDA, unless ``enfor
 - **Verification graphs** (q > 1), one per (B, kind): after the target graph, the argmax and greedy
   verification of every row and, for sampled rows, their processed distributions and the fused
   rejection kernel (``_verify_step``; the runner picks the kind, ``verify_kind``).
-- **Sampling graphs** (q = 1), one per B: the draw of a decode step whose sampled rows have a
-  temperature only (``_sample_step``, the Sampler's own ops).
+- **Sampling graphs** (q = 1), one per (B, with top-p / min-p or not): the draw of a launched decode
+  step (``_sample_step``, the Sampler's own ops).
 - A step qualifies when every scheduled request samples and has no prefill rows (each runs
   1 + its drafts rows), and the batch fits the largest captured size; with DSpark, prefill chunks
   can ride along as prefill rows (below); anything else runs eagerly, as with ``enforce_eager``.
@@ -206,7 +206,7 @@ class StepGraphs:
         self.target: dict[tuple[int, int], _Captured] = {}
         self.draft: dict[tuple[int, int, bool], _Captured] = {}
         self.verify: dict[tuple[int, int], _Captured] = {}
-        self.sample: dict[tuple[int], _Captured] = {}
+        self.sample: dict[tuple[int, bool], _Captured] = {}
         self.pool = None
         # replays; steps on the runner's one-sync path; steps launched before the previous one was read back
         # steps replayed; one-sync steps; steps launched on top of another (async), of which with
@@ -309,16 +309,17 @@ class StepGraphs:
             buf.copy_(v)
         return outs
 
-    def _sample_step(self, B: int) -> tuple:
-        """Without speculation (q = 1): the tokens of a decode step whose rows are greedy or sampled at a
-        temperature only (the runner samples other rows eagerly), drawn exactly as the Sampler draws them
-        (Gumbel-max keyed by (seed, position = num_tokens, STREAM_SAMPLE); greedy rows the argmax)."""
+    def _sample_step(self, B: int, filtered: bool) -> tuple:
+        """Without speculation (q = 1): the tokens of a launched decode step (ModelRunner.launch: rows
+        greedy or sampled, no top-k), drawn exactly as the Sampler draws them (Gumbel-max keyed by (seed,
+        position = num_tokens, STREAM_SAMPLE); greedy rows the argmax); ``filtered``: with each row's
+        top-p and min-p (a sort of the B rows' vocabularies; neutral values do nothing)."""
         s = self.sampling
         batch = SamplingBatch(
             temperature=s.temperature[:B], top_k=s.top_k[:B], top_p=s.top_p[:B], min_p=s.min_p[:B],
             seeds=s.seeds[:B], positions=self.num_tokens[:B], repetition_penalty=s.repetition_penalty[:B],
             frequency_penalty=s.frequency_penalty[:B], presence_penalty=s.presence_penalty[:B],
-            all_greedy=False, all_random=False, no_top_k=True, no_top_p=True, no_min_p=True,
+            all_greedy=False, all_random=False, no_top_k=True, no_top_p=not filtered, no_min_p=not filtered,
             no_penalties=True, max_top_k=0,
         )
         out = self.s_out[:B]
@@ -355,7 +356,7 @@ class StepGraphs:
         if self.q > 1:
             keys += [("verify", (B, kind)) for B in reversed(self.batch_sizes) for kind in self._verify_kinds(B)]
         else:
-            keys += [("sample", (B,)) for B in reversed(self.batch_sizes)]
+            keys += [("sample", (B, filtered)) for B in reversed(self.batch_sizes) for filtered in (False, True)]
         self.pool = torch.cuda.graph_pool_handle()
         self._reset_inputs()
         with torch.inference_mode():
@@ -372,7 +373,7 @@ class StepGraphs:
         used = (free0 - torch.cuda.mem_get_info(dev)[0]) / 2**20
         rest = ("; drafter steps (greedy and probabilistic) at the same sizes" if self.draft_graphs else "") + (
             "; verification (greedy, sampled, filtered up to %d rows) per batch size" % FILTER_GRAPH_ROWS
-            if self.q > 1 else "; sampling per batch size")
+            if self.q > 1 else "; sampling (temperature; with top-p / min-p) per batch size")
         logger.info("captured %d CUDA graphs in %.1f s, %.0f MiB: target (q=%d) at batch sizes %s x context "
                     "buckets %s%s", len(keys), time.perf_counter() - t0, used, self.q, self.batch_sizes,
                     self.buckets, rest)
@@ -558,9 +559,9 @@ class StepGraphs:
         self.stats["verify"] += 1
         return out
 
-    def replay_sample(self, Bg: int) -> torch.Tensor:
+    def replay_sample(self, Bg: int, filtered: bool) -> torch.Tensor:
         """After replay_target (q = 1): [Bg] tokens of _sample_step, in a buffer its next replay rewrites."""
-        (out,) = self._run(self.sample, (Bg,), self._sample_step)
+        (out,) = self._run(self.sample, (Bg, filtered), self._sample_step)
         self.stats["sample"] += 1
         return out
 

@@ -153,8 +153,8 @@ def test_sampled_requests_match_sync(target, prompts, case):
     """Seeded sampling (whole vocabulary; top-p; min-p) mixed with a greedy request in the same
     asynchronously launched steps: the noise is keyed by (seed, position), and the position of a
     sampled token counts the pending placeholders, so the tokens equal the synchronous engine's.
-    Temperature-only rows are drawn by the sampling graph (StepGraphs._sample_step), rows with
-    top-p / min-p by the Sampler's eager ops."""
+    Launched steps are drawn by the sampling graphs (StepGraphs._sample_step), the one with top-p /
+    min-p while such a row is in the batch (filters) or the temperature-only one."""
     params = [SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=3),
               SamplingParams(temperature=0.8, min_p=0.05, max_tokens=10, ignore_eos=True, seed=4),
               SamplingParams(temperature=0.7, top_p=0.9, max_tokens=11, ignore_eos=True, seed=5),
@@ -169,8 +169,8 @@ def test_sampled_requests_match_sync(target, prompts, case):
     assert _summary(got) == _summary(want)
     g = llm.engine.runner.graphs
     assert g.stats["async"] > 0
-    if case == "temperature":  # every launched step sampled by the graph (none all-greedy here)
-        assert g.stats["sample"] == g.stats["async"]
+    assert g.stats["sample"] == g.stats["async"]  # every launched step drawn by a sampling graph (none all-greedy)
+    assert {filtered for _, filtered in g.sample} == ({False, True} if case == "filters" else {False})
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, repetition_penalty=1.2),
