@@ -123,7 +123,7 @@ def profile_system(llm: LLM, prompts: list[list[int]], batch: int, max_tokens: i
              (runner.graphs, "prepare_target"), (runner.graphs, "prepare_sampling"), (runner.graphs, "upload"),
              (runner.graphs, "rows_from_previous_step"), (runner.graphs, "drafter_inputs_on_device"),
              (runner.graphs, "replay_target"), (runner.graphs, "replay_draft"), (runner, "_sampling_batch"),
-             (runner, "_verify_sampled"), (runner, "_prefill_outcome"), (engine.kv, "truncate")]
+             (runner.graphs, "replay_verify"), (runner, "_prefill_outcome"), (engine.kv, "truncate")]
     originals = []
     for obj, name in timed:
         if obj is None or not hasattr(obj, name):

@@ -78,7 +78,7 @@ GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320
 SMALLEST_BUCKET = 512
 # Verification graphs with top-k / top-p / min-p (a sort of every row's vocabulary: its scratch is ~30 bytes
 # per row and token, 750 MB at 512 rows of SmolLM2's 49,152) are captured up to this many rows; larger
-# steps verify such requests eagerly (ModelRunner._verify_sampled).
+# steps run the same verification eagerly (replay_verify).
 FILTER_GRAPH_ROWS = 512
 # the kinds of verification graph (StepGraphs._verify_step)
 VERIFY_GREEDY, VERIFY_SAMPLED, VERIFY_FILTERED = 0, 1, 2
@@ -256,14 +256,11 @@ class StepGraphs:
                                probs_out=self.probs[:B] if prob else None)
         return (prop.tokens, prop.probs, prop.confidence)
 
-    def verify_kind(self, Bg: int, sampled: bool, filtered: bool) -> int | None:
-        """The verification graph a step of Bg rows takes (VERIFY_*): greedy rows only, sampled rows at
-        temperature only, or sampled rows with top-k / top-p / min-p (None: not captured at this size)."""
-        if not sampled:
-            return VERIFY_GREEDY
-        if not filtered:
-            return VERIFY_SAMPLED
-        return VERIFY_FILTERED if Bg * self.q <= FILTER_GRAPH_ROWS else None
+    @staticmethod
+    def verify_kind(sampled: bool, filtered: bool) -> int:
+        """The verification (VERIFY_*) of a step: greedy rows only, sampled rows at a temperature only,
+        or sampled rows with top-k / top-p / min-p."""
+        return VERIFY_GREEDY if not sampled else VERIFY_FILTERED if filtered else VERIFY_SAMPLED
 
     def _verify_kinds(self, B: int) -> list[int]:
         if not self.draft_graphs:
@@ -276,7 +273,7 @@ class StepGraphs:
         verification by rejection_sample_method of every request against its processed distribution
         (temperature; with VERIFY_FILTERED also each row's top-k, top-p and min-p, neutral values doing
         nothing) and the drafts' q in ``vq``, taken for the rows with temperature > 0. The same
-        distributions, keys and kernel as ModelRunner._verify_sampled, so the same tokens. Returns
+        distributions, keys and kernel as ModelRunner._verify (the host path), so the same tokens. Returns
         (tokens [B, q], emitted [B], argmax [B, q])."""
         from dspark.kernels.spec_step import verify_greedy_rows
 
@@ -554,10 +551,12 @@ class StepGraphs:
     def replay_verify(self, Bg: int, kind: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """After replay_target: (tokens [Bg, q], emitted [Bg], argmax [Bg, q]) of _verify_step, in the
         buffers every verification graph shares: a step launched on top of this one reads them
-        (rows_from_previous_step) before its own verification rewrites them, in stream order."""
-        out = self._run(self.verify, (Bg, kind), self._verify_step)
+        (rows_from_previous_step) before its own verification rewrites them, in stream order. A filtered
+        step above FILTER_GRAPH_ROWS runs the same verification eagerly."""
         self.stats["verify"] += 1
-        return out
+        if kind == VERIFY_FILTERED and Bg * self.q > FILTER_GRAPH_ROWS:  # not captured: the same step, eagerly
+            return self._verify_step(Bg, kind)
+        return self._run(self.verify, (Bg, kind), self._verify_step)
 
     def replay_sample(self, Bg: int, filtered: bool) -> torch.Tensor:
         """After replay_target (q = 1): [Bg] tokens of _sample_step, in a buffer its next replay rewrites."""

@@ -345,8 +345,6 @@ class ModelRunner:
         it) and the device moves them back by q - n_out, recomputes the slots from the block table, and
         takes the input ids (the new anchor, then the drafts made from it) from prev's row of the
         request."""
-        from dspark.kernels.spec_step import verify_greedy_rows
-
         t0 = time.perf_counter()
         G = self.graphs
         q, B = G.q, len(sched.scheduled)
@@ -398,18 +396,12 @@ class ModelRunner:
         pre = set(prefill)  # never with ``prev``; a sampled prefill chunk draws its first token with the Sampler
         sampled = [b for b, r in enumerate(reqs) if not r.params.greedy and b not in pre]
         sampled_pre = [b for b in prefill if not reqs[b].params.greedy and scheduled[b].samples]
-        # Verification as a graph (StepGraphs._verify_step); sampled requests with top-k, top-p or min-p
-        # in a step too large for those graphs (FILTER_GRAPH_ROWS) go through _verify_sampled's eager ops.
+        # Verification (StepGraphs._verify_step): a graph, but for sampled requests with top-k, top-p or
+        # min-p in a step too large for those graphs (FILTER_GRAPH_ROWS), where the same step runs eagerly.
         # Why: at T = 1 the eager verification was most of the host's time per step (H200, session 21:
         # 0.76 of 1.93 ms at B = 1, where the GPU step takes 1.33 ms; session 22: T = 1 DSpark 1.7x faster).
         V = self.vocab_size
-        filtered = not all(unfiltered(reqs[b].params, V) for b in sampled)
-        kind = G.verify_kind(Bg, bool(sampled), filtered) if q > 1 else None
-        graph_verify = kind is not None
-        # the sampled requests' target distributions: settings, seeds and positions as _verify builds them
-        # (positions: num_tokens once prev is applied, i.e. + prev.n_out, added on the device below)
-        batch = (self._sampling_batch([reqs[b] for b in sampled], [reqs[b].num_tokens for b in sampled])
-                 if sampled and not graph_verify else None)
+        kind = G.verify_kind(bool(sampled), not all(unfiltered(reqs[b].params, V) for b in sampled))
         batch_pre = (self._sampling_batch([reqs[b] for b in sampled_pre], [reqs[b].num_tokens for b in sampled_pre])
                      if sampled_pre else None)
         G.upload(Bg)
@@ -421,8 +413,6 @@ class ModelRunner:
             if sampled:  # prev's rows of the sampled requests (all on top): the host has not read it yet
                 rows = [prev_rows[b] for b in sampled]
                 idx = slice(0, len(rows)) if rows == list(range(len(rows))) else self._index(rows)
-                if batch is not None:  # (the graph takes the positions from num_tokens, moved on the device)
-                    batch.positions = batch.positions + prev.n_out[idx]
                 d = prev.drafts[idx]
                 dq = (prev.draft_q[idx] if prev.draft_q is not None  # else drafted greedily: one-hot
                       else _one_hot_q(d, self.vocab_size))
@@ -433,23 +423,16 @@ class ModelRunner:
         commit = None
         if q > 1:
             drafts_in = G.input_ids[:Bg * q].view(Bg, q)[:R, 1:]
-            srows = [row_of[b] for b in sampled]
-            if graph_verify:
-                if sampled:
-                    whole = srows == list(range(len(srows)))
-                    index = None if whole else self._index(srows)
-                    if dq is None:
-                        d = drafts_in[:len(srows)] if whole else drafts_in[index]
-                        dq = self._draft_q([reqs[b] for b in sampled], d, q - 1, V)
-                    G.set_verify_q(srows, dq, index)
-                out, n_out, am = G.replay_verify(Bg, kind)
-                out, n_out, am = out[:R], n_out[:R], am[:R]
-            else:
-                am = logits.argmax(dim=-1)  # [R, q]
-                out, n_out = verify_greedy_rows(am, drafts_in, G.num_drafts[:R])  # verify_greedy in one launch
-                if sampled:
-                    out, n_out = self._verify_sampled([reqs[b] for b in sampled], srows, logits, drafts_in,
-                                                      G.num_drafts[:R], batch, out, n_out, dq)
+            if sampled:  # the q of their drafts, at their graph rows
+                srows = [row_of[b] for b in sampled]
+                whole = srows == list(range(len(srows)))
+                index = None if whole else self._index(srows)
+                if dq is None:
+                    d = drafts_in[:len(srows)] if whole else drafts_in[index]
+                    dq = self._draft_q([reqs[b] for b in sampled], d, q - 1, V)
+                G.set_verify_q(srows, dq, index)
+            out, n_out, am = G.replay_verify(Bg, kind)
+            out, n_out, am = out[:R], n_out[:R], am[:R]
             if prefill:
                 out, n_out, commit = self._prefill_outcome(scheduled, prefill, counts, row_of, am, logits, out, n_out,
                                                            sampled_pre, batch_pre)
@@ -754,29 +737,6 @@ class ModelRunner:
             oh = self._index(one_hot)
             q[oh] = _one_hot_q(drafts[oh], V)
         return q
-
-    def _verify_sampled(self, sreqs: list[Request], rows: list[int], logits: torch.Tensor, drafts: torch.Tensor,
-                        num_drafts: torch.Tensor, batch: SamplingBatch, out: torch.Tensor, n_out: torch.Tensor,
-                        dq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """A one-sync step's sampled requests ``sreqs`` (at graph rows ``rows``), verified on the device
-        exactly as _verify verifies them (the same target distributions, q, keys and kernel: the same
-        tokens), merged into the greedy verification of the whole batch (``out``, ``n_out``).
-        ``dq`` [S, >= q - 1, V]: the drafts' q when the step was launched on top of the one that proposed
-        them (the host has not read it: launch_one_sync takes it from that step); otherwise _draft_q."""
-        V, q = logits.shape[-1], logits.shape[1]
-        whole = rows == list(range(out.shape[0]))
-        idx = slice(None) if whole else self._index(rows)
-        probs = compute_probs(logits[idx].reshape(-1, V), batch.repeat_rows(q)).view(-1, q, V)
-        d = drafts[idx]
-        dq = self._draft_q(sreqs, d, q - 1, V) if dq is None else dq[:, :q - 1]
-        args = (probs, d, dq, num_drafts[idx], batch.seeds, batch.positions)
-        method = self.spec.rejection_sample_method
-        o, n = self._verify_probabilistic(method, *args)
-        if whole:
-            return o, n
-        out, n_out = out.clone(), n_out.clone()
-        out[idx], n_out[idx] = o, n
-        return out, n_out
 
     def _split(self, scheduled) -> bool:
         """Whether a step the graphs do not cover runs as two sub-steps (execute): with DSpark only, when

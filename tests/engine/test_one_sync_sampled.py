@@ -1,6 +1,6 @@
 """One-sync DSpark steps of sampled requests (ModelRunner.launch_one_sync with sampled rows): target,
 verification and drafter queued on the device with one read-back, the sampled requests verified by
-_verify_sampled. They must give exactly the tokens (and acceptance counts) of the host-scheduled path
+StepGraphs._verify_step. They must give exactly the tokens (and acceptance counts) of the host-scheduled path
 (run_target, _verify, run_draft), which computes the same distributions with the same keys: checked
 on the CPU through the fixed-shape graph steps, for T = 1, top-p, top-k, min-p, seeded requests mixed
 with greedy ones in one batch, both draft methods and both verification methods."""
@@ -47,7 +47,7 @@ PARAMS = {
 @pytest.mark.parametrize("case,spec,filter_rows", [
     ("sampled", {}, 512),
     ("mixed", {"draft_sample_method": "greedy"}, 512),
-    ("mixed", {"rejection_sample_method": "block"}, 0),  # filtered rows over the graphs' cap: eager ops
+    ("mixed", {"rejection_sample_method": "block"}, 0),  # filtered rows over the graphs' cap: run eagerly
     ("mixed_t", {"rejection_sample_method": "block"}, 512),
 ])
 def test_one_sync_sampled_steps_match_the_host_path(spec_pair, prompts, case, spec, filter_rows, monkeypatch):
@@ -66,7 +66,7 @@ def test_one_sync_sampled_steps_match_the_host_path(spec_pair, prompts, case, sp
     assert one_sync >= 0.8 * verify_steps  # the path really taken: (nearly) every verification step
     if case == "sampled":
         assert ref_one_sync == 0
-    # the verification graph that took the sampled rows, or none (_verify_sampled's eager ops)
+    # the verification graph that took the sampled rows, or none (the same step run eagerly)
     kinds = {kind for _, kind in llm.engine.runner.graphs.verify}
     want_kind = {"sampled": cuda_graphs.VERIFY_SAMPLED, "mixed_t": cuda_graphs.VERIFY_SAMPLED,
                  "mixed": cuda_graphs.VERIFY_FILTERED if filter_rows else None}[case]
