@@ -65,7 +65,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 import torch
@@ -238,19 +238,19 @@ class StepGraphs:
             self.taps[:T].copy_(taps)
         return (logits,)
 
+    def _rows(self, B: int, **changes) -> SamplingBatch:
+        """The first B rows of the graphs' sampling settings (``self.sampling``), with ``changes`` (fields
+        and flags) applied: each graph that samples fixes its own flags at capture."""
+        s = self.sampling
+        head = {f.name: getattr(s, f.name)[:B] for f in fields(s) if isinstance(getattr(s, f.name), torch.Tensor)}
+        return replace(s, **{**head, **changes})
+
     def _draft_step(self, B: int, bucket: int, prob: bool) -> tuple:
         p = self.runner.proposer
         T = B * self.q
         p.write_context(self.taps[:T], self.positions[:T], self.slot_mapping[:T], valid=self.valid[:T])
-        s = self.sampling
         top_k, top_p, min_p = (t[:B] for t in self._draft_filters)
-        batch = SamplingBatch(
-            temperature=s.temperature[:B], top_k=top_k, top_p=top_p, min_p=min_p,
-            seeds=s.seeds[:B], positions=s.positions[:B], repetition_penalty=s.repetition_penalty[:B],
-            frequency_penalty=s.frequency_penalty[:B], presence_penalty=s.presence_penalty[:B],
-            all_greedy=not prob, all_random=False, no_top_k=False, no_top_p=False, no_min_p=False,
-            no_penalties=True, max_top_k=s.max_top_k,
-        )
+        batch = self._rows(B, top_k=top_k, top_p=top_p, min_p=min_p, all_greedy=not prob)
         prop = p.propose_fixed(self.anchors[:B], self.anchor_pos[:B], self.block_tables[:B], self.n_spec, batch,
                                self.prob_mask[:B], prob, max_ctx_len=bucket,
                                probs_out=self.probs[:B] if prob else None)
@@ -284,21 +284,17 @@ class StepGraphs:
         nd = self.num_drafts[:B]
         out, n_out = verify_greedy_rows(am, drafts, nd)
         if kind != VERIFY_GREEDY:
-            s = self.sampling
-            t = s.temperature[:B]
+            s = self._rows(B)
+            t = s.temperature
             plain = kind == VERIFY_SAMPLED
-            rows = SamplingBatch(  # each request's settings on its q rows (SamplingBatch.repeat_rows)
-                temperature=t.repeat_interleave(q), top_k=s.top_k[:B].repeat_interleave(q),
-                top_p=s.top_p[:B].repeat_interleave(q), min_p=s.min_p[:B].repeat_interleave(q), seeds=s.seeds[:B],
-                positions=self.num_tokens[:B], repetition_penalty=s.repetition_penalty[:B],
-                frequency_penalty=s.frequency_penalty[:B], presence_penalty=s.presence_penalty[:B],
-                all_greedy=False, all_random=True, no_top_k=plain, no_top_p=plain, no_min_p=plain,
-                no_penalties=True, max_top_k=V,
-            )
+            # each request's settings on its q rows (as SamplingBatch.repeat_rows makes them)
+            rep = {k: getattr(s, k).repeat_interleave(q) for k in ("temperature", "top_k", "top_p", "min_p")}
+            rows = replace(s, **rep, positions=self.num_tokens[:B], all_random=True, no_top_k=plain, no_top_p=plain,
+                           no_min_p=plain)
             probs = compute_probs(logits.reshape(-1, V), rows).view(B, q, V)
             r = self.runner
             o, n = r._verify_probabilistic(r.spec.rejection_sample_method, probs, drafts, self.vq[:B], nd,
-                                           s.seeds[:B], self.num_tokens[:B])
+                                           s.seeds, self.num_tokens[:B])
             pick = t > 0
             out, n_out = torch.where(pick.unsqueeze(1), o, out), torch.where(pick, n, n_out)
         outs = (self.v_out[:B], self.v_n[:B], self.v_am[:B])
@@ -311,14 +307,8 @@ class StepGraphs:
         greedy or sampled, no top-k), drawn exactly as the Sampler draws them (Gumbel-max keyed by (seed,
         position = num_tokens, STREAM_SAMPLE); greedy rows the argmax); ``filtered``: with each row's
         top-p and min-p (a sort of the B rows' vocabularies; neutral values do nothing)."""
-        s = self.sampling
-        batch = SamplingBatch(
-            temperature=s.temperature[:B], top_k=s.top_k[:B], top_p=s.top_p[:B], min_p=s.min_p[:B],
-            seeds=s.seeds[:B], positions=self.num_tokens[:B], repetition_penalty=s.repetition_penalty[:B],
-            frequency_penalty=s.frequency_penalty[:B], presence_penalty=s.presence_penalty[:B],
-            all_greedy=False, all_random=False, no_top_k=True, no_top_p=not filtered, no_min_p=not filtered,
-            no_penalties=True, max_top_k=0,
-        )
+        batch = self._rows(B, positions=self.num_tokens[:B], no_top_k=True, no_top_p=not filtered,
+                           no_min_p=not filtered, max_top_k=0)
         out = self.s_out[:B]
         out.copy_(self.runner.sampler(self.logits[:B], batch, no_sync=True))
         return (out,)
@@ -359,7 +349,8 @@ class StepGraphs:
         with torch.inference_mode():
             for kind, key in tqdm(keys, desc="capturing CUDA graphs", unit="graph", leave=False):
                 table, fn = {"target": (self.target, self._target_step), "draft": (self.draft, self._draft_step),
-                             "verify": (self.verify, self._verify_step), "sample": (self.sample, self._sample_step)}[kind]
+                             "verify": (self.verify, self._verify_step),
+                             "sample": (self.sample, self._sample_step)}[kind]
                 fn(*key)  # warm up: Triton compiles, cuBLAS picks its kernels, outside the capture
                 torch.cuda.synchronize(dev)
                 g = torch.cuda.CUDAGraph()
