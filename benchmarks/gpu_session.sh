@@ -4,7 +4,8 @@
 # then runs, each bounded by a timeout, and writes every log/JSON to $OUT:
 #   1. the long-context recall test at full size (3,000-6,000 tokens, 16 concurrent vs serial) on the GPU,
 #      speculating with the shipped drafter;
-#   2. `dspark bench serve` against `dspark serve` on the GPU, without and with DSpark;
+#   2. `dspark bench serve` against `dspark serve` on the GPU, without and with DSpark (SERVE_CASES:
+#      concurrency:prompts:temperature triples, default 32:128:0; SERVE_MAX_TOKENS, default 128);
 #   3. the Triton kernel benchmarks (benchmarks/kernel_*_bench.py);
 #   graphs: the CUDA-graph checks and step timings on random weights (benchmarks/gpu_graphs_check.py);
 #   correctness: `dspark bench correctness` (spec vs no spec vs HF, greedy, 64 prompts x 128 tokens);
@@ -49,9 +50,13 @@ for _ in range(240):
         urllib.request.urlopen('http://127.0.0.1:8011/health', timeout=2); break
     except Exception:
         time.sleep(0.5)"
-      timeout 100 python3 -m dspark.cli bench serve --port 8011 --dataset-path /tmp/heldout.jsonl --num-prompts 128 \
-        --max-concurrency 32 --max-tokens 128 --json "$OUT/bench_serve_$mode.json" > "$OUT/bench_serve_$mode.log" 2>&1
-      echo "bench serve $mode rc=$?"; tail -n 14 "$OUT/bench_serve_$mode.log"
+      for case in ${SERVE_CASES:-32:128:0}; do  # concurrency:prompts:temperature
+        IFS=: read -r conc nump temp <<< "$case"; tag=${mode}_c${conc}_t${temp}
+        timeout ${SERVE_BENCH_S:-100} python3 -m dspark.cli bench serve --port 8011 --dataset-path /tmp/heldout.jsonl \
+          --num-prompts $nump --max-concurrency $conc --temperature $temp --max-tokens ${SERVE_MAX_TOKENS:-128} \
+          --json "$OUT/bench_serve_$tag.json" > "$OUT/bench_serve_$tag.log" 2>&1
+        echo "bench serve $tag rc=$?"; tail -n 14 "$OUT/bench_serve_$tag.log"
+      done
       kill $pid; wait $pid 2>/dev/null
     done ;;
   graphs)
