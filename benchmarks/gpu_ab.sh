@@ -7,17 +7,17 @@
 # (the shipped drafter is copied in from the tree on the machine). The GGUF pieces come first as for
 # benchmarks/gpu_session.sh (benchmarks/gguf_pieces.sh). AB_CMD is the command, run from the root of its version
 # (base: from .model/ab_base, since `python -m` puts the working directory first on sys.path) with $V
-# (base|new) and $OUT set, e.g.
+# (base|new), $OUT and $AB_ROOT (this tree's root: scripts of the new version) set, e.g.
 #     AB_CMD='python3 -m dspark.cli bench --device cuda --attention-backend triton --no-hf ... --json $OUT/bench_$V.json'
 set -uo pipefail
 bash benchmarks/gguf_pieces.sh
 [ -f /tmp/smollm.gguf ] || exit 1
 [ -d .model/ab_base/dspark ] || { echo "no .model/ab_base/dspark: carry it"; exit 1; }
 cp -r dspark/drafters .model/ab_base/dspark/
-WHEELS=$(ls .whl/*.whl 2>/dev/null)
+WHEELS=$(ls .whl/*.whl .whl/serve/*.whl 2>/dev/null)
 [ -n "$WHEELS" ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $WHEELS
 cp .model/sharegpt_prompts.json.gz /tmp/ 2>/dev/null
-export PYTHONUNBUFFERED=1 DSPARK_SMOLLM2_GGUF=/tmp/smollm.gguf TQDM_DISABLE=1
+export AB_ROOT=$PWD PYTHONUNBUFFERED=1 DSPARK_SMOLLM2_GGUF=/tmp/smollm.gguf TQDM_DISABLE=1
 T0=$SECONDS
 for V in ${ORDER:-base new}; do
   src=$PWD; [ "$V" = base ] && src=$PWD/.model/ab_base

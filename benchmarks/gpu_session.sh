@@ -4,8 +4,8 @@
 # then runs, each bounded by a timeout, and writes every log/JSON to $OUT:
 #   1. the long-context recall test at full size (3,000-6,000 tokens, 16 concurrent vs serial) on the GPU,
 #      speculating with the shipped drafter;
-#   2. `dspark bench serve` against `dspark serve` on the GPU, without and with DSpark (SERVE_CASES:
-#      concurrency:prompts:temperature triples, default 32:128:0; SERVE_MAX_TOKENS, default 128);
+#   2. `dspark bench serve` against `dspark serve` on the GPU, without and with DSpark
+#      (benchmarks/serve_cases.sh: SERVE_CASES, SERVE_MAX_TOKENS, ...);
 #   3. the Triton kernel benchmarks (benchmarks/kernel_*_bench.py);
 #   graphs: the CUDA-graph checks and step timings on random weights (benchmarks/gpu_graphs_check.py);
 #   correctness: `dspark bench correctness` (spec vs no spec vs HF, greedy, 64 prompts x 128 tokens);
@@ -33,32 +33,7 @@ for step in $STEPS; do
       timeout 240 python3 -m pytest tests/server/test_long_context.py -s -x -q -p no:cacheprovider \
       > "$OUT/longctx.log" 2>&1; echo "longctx rc=$?"; grep -E "recall|passed|failed|Error" "$OUT/longctx.log" | head -5 ;;
   serve)
-    python3 -c "
-import json
-from dspark.train.data import heldout_prompts
-with open('/tmp/heldout.jsonl', 'w') as f:
-    for p in heldout_prompts(None, '/tmp/sharegpt_prompts.json.gz'):
-        f.write(json.dumps({'prompt': p}) + '\n')"
-    for mode in plain dspark; do
-      spec=(); [ $mode = dspark ] && spec=(--speculative-config '{"method": "dspark"}')
-      python3 -m dspark.cli serve --device $DEV --port 8011 --max-num-seqs 64 "${spec[@]}" > "$OUT/serve_$mode.log" 2>&1 &
-      pid=$!
-      python3 -c "
-import time, urllib.request
-for _ in range(240):
-    try:
-        urllib.request.urlopen('http://127.0.0.1:8011/health', timeout=2); break
-    except Exception:
-        time.sleep(0.5)"
-      for case in ${SERVE_CASES:-32:128:0}; do  # concurrency:prompts:temperature
-        IFS=: read -r conc nump temp <<< "$case"; tag=${mode}_c${conc}_t${temp}
-        timeout ${SERVE_BENCH_S:-100} python3 -m dspark.cli bench serve --port 8011 --dataset-path /tmp/heldout.jsonl \
-          --num-prompts $nump --max-concurrency $conc --temperature $temp --max-tokens ${SERVE_MAX_TOKENS:-128} \
-          --json "$OUT/bench_serve_$tag.json" > "$OUT/bench_serve_$tag.log" 2>&1
-        echo "bench serve $tag rc=$?"; tail -n 14 "$OUT/bench_serve_$tag.log"
-      done
-      kill $pid; wait $pid 2>/dev/null
-    done ;;
+    bash benchmarks/serve_cases.sh ;;
   graphs)
     timeout ${GRAPHS_S:-240} python3 benchmarks/gpu_graphs_check.py "$OUT/graphs" ${GRAPHS_PARTS:-correct,steps} \
       > "$OUT/graphs.log" 2>&1; echo "graphs rc=$?"; grep -v "^ " "$OUT/graphs.log" | tail -n 30 ;;

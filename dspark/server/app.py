@@ -666,33 +666,39 @@ class ModelNotFound(StarletteHTTPException):
         super().__init__(404, f"The model `{model}` does not exist.")
 
 
+_END = object()  # _pump's end-of-stream marker
+
+
 async def _pump(producer: Any, chunks: asyncio.Queue) -> AsyncIterator[str]:
     """Run ``producer`` (which puts SSE strings on ``chunks``) and yield the strings as they come.
     If the consumer stops (client gone: the generator is closed or cancelled), the producer is
     cancelled, and its ``finally`` aborts the engine requests. An engine failure mid-stream becomes
-    an error event."""
-    task = asyncio.ensure_future(producer)
-    get: asyncio.Future | None = None
+    an error event. One queue read per chunk: the producer's end (or its exception) is an item too."""
+
+    async def run() -> None:
+        try:
+            await producer
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:
+            chunks.put_nowait(e)
+        finally:
+            chunks.put_nowait(_END)
+
+    task = asyncio.ensure_future(run())
     try:
         while True:
-            get = asyncio.ensure_future(chunks.get())
-            done, _ = await asyncio.wait({get, task}, return_when=asyncio.FIRST_COMPLETED)
-            if get in done:
-                yield get.result()
-                continue
-            get.cancel()
-            while not chunks.empty():
-                yield chunks.get_nowait()
-            exc = task.exception()
-            if exc is not None:
-                status = 503 if isinstance(exc, EngineDeadError) else 500
+            item = await chunks.get()
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                status = 503 if isinstance(item, EngineDeadError) else 500
                 if status == 500:
-                    logger.error("stream failed", exc_info=exc)
-                yield _sse(error_body(status, str(exc) or type(exc).__name__))
-            return
+                    logger.error("stream failed", exc_info=item)
+                yield _sse(error_body(status, str(item) or type(item).__name__))
+                return
+            yield item
     finally:
-        if get is not None and not get.done():
-            get.cancel()
         if not task.done():
             task.cancel()  # run_group's finally aborts the engine requests
 

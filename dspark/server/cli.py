@@ -164,14 +164,8 @@ def build_engine(args: argparse.Namespace, log: logging.Logger) -> Any:
     return engine
 
 
-def run_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from dspark.server.app import build_app
-    from dspark.server.engine_client import EngineClient
-
-    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def build_served_engine(args: argparse.Namespace) -> Any:
+    """The engine `dspark serve` serves, built and logged (runs in the engine process)."""
     log = logging.getLogger("dspark.server")
     t0 = time.perf_counter()
     engine = build_engine(args, log)
@@ -181,13 +175,29 @@ def run_serve(args: argparse.Namespace) -> int:
     if engine.warmup_s is not None:
         log.info("warm-up requests (the eager paths' kernels compiled before the first request) took %.1fs",
                  engine.warmup_s)
-    client = EngineClient(engine)
+    return engine
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import functools
+
+    import uvicorn
+
+    from dspark.server.app import build_app
+    from dspark.server.engine_process import ProcessEngineClient
+
+    level = getattr(logging, str(args.log_level).upper(), logging.INFO)
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("dspark.server")
+    # The engine runs in its own process (engine_process.py says why: the GIL), built there.
+    client = ProcessEngineClient(functools.partial(build_served_engine, args), log_level=level)
     app = build_app(client, args.served_model_name, api_key=args.api_key,
                     max_body_bytes=args.max_request_body_bytes)
-    # The engine lives as long as the server: everything built so far out of the garbage collector's
-    # sight, so its full passes during serving walk only what requests create (as vLLM does). `dspark
-    # bench` does the same; on the H200 (session 20) the collector's passes over the engines' objects
-    # had made identical timed calls vary by 30 % and DSpark at B = 32 run at 1.22–1.30x plain instead of 1.51x.
+    # Everything built so far out of the garbage collector's sight, so its full passes during serving
+    # walk only what requests create (as vLLM does; the engine process does the same for the engine).
+    # `dspark bench` does the same; on the H200 (session 20) the collector's passes over the engines'
+    # objects had made identical timed calls vary by 30 % and DSpark at B = 32 run at 1.22–1.30x plain
+    # instead of 1.51x.
     gc.collect()
     gc.freeze()
     if args.host not in ("127.0.0.1", "localhost", "::1"):

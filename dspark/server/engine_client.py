@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import traceback
 from dataclasses import dataclass, replace
@@ -63,14 +64,20 @@ class RequestGroup:
         self.aborted = False
 
     async def outputs(self):
-        """Yield RequestOutputs (any request of the group, in engine order) until all have finished."""
+        """Yield RequestOutputs (any request of the group, in engine order) until all have finished.
+        When the engine runs ahead of the consumer, the outputs of one request waiting in the queue are
+        merged into one (as vLLM's output collector does): a busy server sends fewer, larger chunks
+        instead of falling ever further behind."""
         while self.unfinished:
-            item = await self.queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            if item.finished:
-                self.unfinished.discard(item.request_id)
-            yield item
+            items = [await self.queue.get()]
+            while not self.queue.empty():
+                items.append(self.queue.get_nowait())
+            for item in coalesce(items):
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finished:
+                    self.unfinished.discard(item.request_id)
+                yield item
 
     def abort(self) -> None:
         """Abort the requests that have not finished (idempotent, never blocks)."""
@@ -165,62 +172,13 @@ class EngineClient:
         return group
 
     # ---------------------------------------------------------------- engine thread
-    def _tokenize(self, engine: LLMEngine, spec: GenerationSpec) -> list[int]:
-        if spec.messages is not None:
-            try:
-                return engine.tokenize_chat(spec.messages)
-            except InvalidRequestError:
-                raise
-            except Exception as e:  # e.g. a template that rejects a role order: the client's conversation
-                raise InvalidRequestError(f"the chat template could not render these messages: {e}") from None
-        if isinstance(spec.prompt, str):
-            if engine.tokenizer is None:
-                raise InvalidRequestError(f"model {engine.model_name!r} has no tokenizer: send token ids")
-            return list(engine.tokenizer(spec.prompt, add_special_tokens=True)["input_ids"])
-        if isinstance(spec.prompt, list):
-            return list(spec.prompt)
-        raise InvalidRequestError("prompt must be a string or a list of token ids")
-
     def _add_in_engine(self, engine: LLMEngine, specs: list[GenerationSpec], group: RequestGroup) -> None:
-        max_len = engine.config.max_model_len
-        token_cache: dict[int, list[int]] = {}
-        added: list[str] = []
-        try:
-            for spec in specs:
-                ids = token_cache.get(spec.prompt_key)
-                if ids is None:
-                    ids = token_cache[spec.prompt_key] = self._tokenize(engine, spec)
-                    if not ids:
-                        raise InvalidRequestError("the prompt is empty")
-                    if len(ids) >= max_len:
-                        raise PromptTooLongError(
-                            f"This model's maximum context length is {max_len} tokens. However, your prompt has "
-                            f"{len(ids)} tokens, which leaves no room for a completion. Please shorten the prompt."
-                        )
-                params = spec.params
-                if spec.fill_max_tokens:
-                    params = replace(params, max_tokens=max_len - len(ids))
-                elif len(ids) + params.max_tokens > max_len:
-                    raise PromptTooLongError(
-                        f"This model's maximum context length is {max_len} tokens. However, you requested "
-                        f"{len(ids) + params.max_tokens} tokens ({len(ids)} in the prompt, {params.max_tokens} for "
-                        f"the completion). Please reduce the length of the prompt or of max_tokens."
-                    )
-                self._streams[spec.request_id] = group
-                try:
-                    engine.add_request(ids, params, spec.request_id)
-                except BaseException:
-                    self._streams.pop(spec.request_id, None)
-                    raise
-                added.append(spec.request_id)
-                group.prompt_token_ids[spec.request_id] = ids
-            if self.observer is not None:
-                self.observer.on_prompt(sum(len(v) for v in token_cache.values()))
-        except BaseException:
-            for rid in added:
-                self._streams.pop(rid, None)
-                engine.abort(rid)
-            raise
+        prompt_ids, num_prompt_tokens = add_specs(engine, specs)
+        for rid, ids in prompt_ids.items():
+            self._streams[rid] = group
+            group.prompt_token_ids[rid] = ids
+        if self.observer is not None:
+            self.observer.on_prompt(num_prompt_tokens)
 
     def _resolve(self, fut: asyncio.Future | None, result: Any = None, exc: BaseException | None = None) -> None:
         if fut is None or self._loop is None:
@@ -281,10 +239,7 @@ class EngineClient:
             group = self._streams.pop(out.request_id, None) if out.finished else self._streams.get(out.request_id)
             if group is None:
                 continue  # aborted or abandoned
-            if out.logprobs is not None:  # the engine's list keeps growing: hand over this step's slice
-                n_prev = len(out.token_ids) - len(out.delta_token_ids)
-                out.logprobs = out.logprobs[n_prev:n_prev + len(out.delta_token_ids)]
-            batch.append((group, out))
+            batch.append((group, step_slice(out)))
         if self.observer is not None and outputs:
             try:
                 self.observer.on_outputs(outputs)
@@ -311,48 +266,142 @@ class EngineClient:
 
     def _publish(self, engine: LLMEngine) -> None:
         """Numbers /metrics reads at scrape time (one dict swap: safe to read from the event loop)."""
-        s = engine.scheduler
-        snap: dict[str, Any] = {
-            "running": len(s.running),
-            "waiting": len(s.waiting),
-            "kv_usage": engine.kv.usage,
-            "prefix_hit_rate": engine.kv.prefix_hit_rate,
-        }
-        spec = engine_spec_snapshot(engine)
-        if spec is not None:
-            snap["spec"] = spec
-        self.snapshot = snap
+        self.snapshot = engine_snapshot(engine)
 
     # ---------------------------------------------------------------- debugging
     async def debug_state(self) -> dict[str, Any]:
         """KV integrity and queue sizes, read on the engine thread between steps."""
 
         def _state(engine: LLMEngine) -> dict[str, Any]:
-            out: dict[str, Any] = {
-                "running": len(engine.scheduler.running),
-                "waiting": len(engine.scheduler.waiting),
-                "engine_requests": len(engine.requests),
-                "streams": len(self._streams),
-                "kv_usage": engine.kv.usage,
-                "prefix_hit_rate": engine.kv.prefix_hit_rate,
-                "num_kv_blocks": engine.kv.num_usable_blocks,
-                "block_size": engine.kv.block_size,
-                "kv_requests": len(engine.kv.reqs),
-                "steps": self.num_steps,
-            }
-            try:
-                out["integrity"] = engine.kv.check_integrity()
-                out["integrity_ok"] = True
-            except AssertionError as e:
-                out["integrity"] = None
-                out["integrity_ok"] = False
-                out["integrity_error"] = str(e) or "assertion failed"
-            return out
+            return dict(engine_state(engine), streams=len(self._streams), steps=self.num_steps, engine_pid=os.getpid())
 
         return await self.call(_state)
+
+
+def coalesce(items: list[Any]) -> list[Any]:
+    """Merge the queued outputs of each request into its latest one (delta text, delta token ids and
+    logprobs concatenated in order), keeping engine order; items after an exception are left out (the
+    exception ends the group)."""
+    merged: list[Any] = []
+    at: dict[str, int] = {}  # request id -> index of its pending output in merged
+    for it in items:
+        if isinstance(it, BaseException):
+            merged.append(it)
+            break
+        i = at.get(it.request_id)
+        if i is not None:
+            prev = merged[i]
+            merged[i] = None
+            lps = None if prev.logprobs is None and it.logprobs is None else (prev.logprobs or []) + (it.logprobs or [])
+            it = replace(it, delta_text=prev.delta_text + it.delta_text,
+                         delta_token_ids=prev.delta_token_ids + it.delta_token_ids, logprobs=lps)
+        at[it.request_id] = len(merged)
+        merged.append(it)
+    return [m for m in merged if m is not None]
 
 
 def _put_all(batch: list[tuple[RequestGroup, Any]]) -> None:
     for group, item in batch:
         group.queue.put_nowait(item)
 
+
+# ------------------------------------------------------------------- engine-side helpers
+# Used on the engine's own thread (EngineClient) and in the engine process (engine_process.py).
+def tokenize_spec(engine: LLMEngine, spec: GenerationSpec) -> list[int]:
+    if spec.messages is not None:
+        try:
+            return engine.tokenize_chat(spec.messages)
+        except InvalidRequestError:
+            raise
+        except Exception as e:  # e.g. a template that rejects a role order: the client's conversation
+            raise InvalidRequestError(f"the chat template could not render these messages: {e}") from None
+    if isinstance(spec.prompt, str):
+        if engine.tokenizer is None:
+            raise InvalidRequestError(f"model {engine.model_name!r} has no tokenizer: send token ids")
+        return list(engine.tokenizer(spec.prompt, add_special_tokens=True)["input_ids"])
+    if isinstance(spec.prompt, list):
+        return list(spec.prompt)
+    raise InvalidRequestError("prompt must be a string or a list of token ids")
+
+
+def add_specs(engine: LLMEngine, specs: list[GenerationSpec]) -> tuple[dict[str, list[int]], int]:
+    """Tokenize, validate and add all ``specs`` to the engine, or none of them (InvalidRequestError, a
+    client mistake, before any runs). Returns the prompt ids per request id and the number of prompt
+    tokens (each distinct prompt once)."""
+    max_len = engine.config.max_model_len
+    token_cache: dict[int, list[int]] = {}
+    added: dict[str, list[int]] = {}
+    try:
+        for spec in specs:
+            ids = token_cache.get(spec.prompt_key)
+            if ids is None:
+                ids = token_cache[spec.prompt_key] = tokenize_spec(engine, spec)
+                if not ids:
+                    raise InvalidRequestError("the prompt is empty")
+                if len(ids) >= max_len:
+                    raise PromptTooLongError(
+                        f"This model's maximum context length is {max_len} tokens. However, your prompt has "
+                        f"{len(ids)} tokens, which leaves no room for a completion. Please shorten the prompt."
+                    )
+            params = spec.params
+            if spec.fill_max_tokens:
+                params = replace(params, max_tokens=max_len - len(ids))
+            elif len(ids) + params.max_tokens > max_len:
+                raise PromptTooLongError(
+                    f"This model's maximum context length is {max_len} tokens. However, you requested "
+                    f"{len(ids) + params.max_tokens} tokens ({len(ids)} in the prompt, {params.max_tokens} for "
+                    f"the completion). Please reduce the length of the prompt or of max_tokens."
+                )
+            engine.add_request(ids, params, spec.request_id)
+            added[spec.request_id] = ids
+    except BaseException:
+        for rid in added:
+            engine.abort(rid)
+        raise
+    return added, sum(len(v) for v in token_cache.values())
+
+
+def step_slice(out: RequestOutput) -> RequestOutput:
+    """The output as a client gets it: the engine's logprobs list keeps growing, so hand over only this
+    step's slice."""
+    if out.logprobs is not None:
+        n_prev = len(out.token_ids) - len(out.delta_token_ids)
+        out.logprobs = out.logprobs[n_prev:n_prev + len(out.delta_token_ids)]
+    return out
+
+
+def engine_snapshot(engine: LLMEngine) -> dict[str, Any]:
+    """The numbers /metrics reads at scrape time."""
+    s = engine.scheduler
+    snap: dict[str, Any] = {
+        "running": len(s.running),
+        "waiting": len(s.waiting),
+        "kv_usage": engine.kv.usage,
+        "prefix_hit_rate": engine.kv.prefix_hit_rate,
+    }
+    spec = engine_spec_snapshot(engine)
+    if spec is not None:
+        snap["spec"] = spec
+    return snap
+
+
+def engine_state(engine: LLMEngine) -> dict[str, Any]:
+    """/debug/kv's view of the engine: KV integrity and queue sizes (between steps)."""
+    out: dict[str, Any] = {
+        "running": len(engine.scheduler.running),
+        "waiting": len(engine.scheduler.waiting),
+        "engine_requests": len(engine.requests),
+        "kv_usage": engine.kv.usage,
+        "prefix_hit_rate": engine.kv.prefix_hit_rate,
+        "num_kv_blocks": engine.kv.num_usable_blocks,
+        "block_size": engine.kv.block_size,
+        "kv_requests": len(engine.kv.reqs),
+    }
+    try:
+        out["integrity"] = engine.kv.check_integrity()
+        out["integrity_ok"] = True
+    except AssertionError as e:
+        out["integrity"] = None
+        out["integrity_ok"] = False
+        out["integrity_error"] = str(e) or "assertion failed"
+    return out

@@ -208,3 +208,38 @@ def test_gpu_memory_utilization_ignored_on_cpu(caplog):
     ns.gpu_memory_utilization = 1.5
     with pytest.raises(ValueError):
         kv_cache_gb(ns, "cpu", 4, log)
+
+
+def _out(rid: str, delta: list[int], text: str, finished: bool = False, lps: list | None = None) -> RequestOutput:
+    return RequestOutput(request_id=rid, prompt=None, prompt_token_ids=[], text=text, token_ids=list(delta),
+                         delta_text=text[-len(delta):], delta_token_ids=list(delta), finished=finished,
+                         finish_reason="length" if finished else None, logprobs=lps)
+
+
+def test_coalesce_merges_each_requests_queued_outputs_in_order():
+    from dspark.server.engine_client import coalesce
+
+    boom = RuntimeError("engine gone")
+    items = [_out("a", [1], "x", lps=[{"t": 1}]), _out("b", [5], "p"), _out("a", [2], "xy", lps=[{"t": 2}]),
+             _out("a", [3], "xyz", finished=True, lps=[{"t": 3}]), _out("b", [6], "pq"), boom, _out("b", [7], "pqr")]
+    merged = coalesce(items)
+    assert [type(m).__name__ if isinstance(m, BaseException) else m.request_id for m in merged] == ["a", "b", "RuntimeError"]
+    a, b = merged[0], merged[1]
+    assert (a.delta_token_ids, a.delta_text, a.text, a.finished, a.logprobs) == ([1, 2, 3], "xyz", "xyz", True,
+                                                                                 [{"t": 1}, {"t": 2}, {"t": 3}])
+    assert (b.delta_token_ids, b.delta_text, b.logprobs) == ([5, 6], "pq", None)
+    assert merged[2] is boom  # what came after the exception is dropped: the exception ends the group
+    assert coalesce([_out("a", [1], "x")])[0].delta_token_ids == [1]
+
+
+def test_group_outputs_merge_when_the_consumer_is_behind():
+    from dspark.server.engine_client import RequestGroup
+
+    async def run():
+        group = RequestGroup(SimpleNamespace(), [SimpleNamespace(request_id="r")])
+        for i in range(5):  # five steps' outputs arrived before the handler looked
+            group.queue.put_nowait(_out("r", [i], "abcde"[: i + 1], finished=i == 4))
+        return [o async for o in group.outputs()]
+
+    outs = asyncio.run(run())
+    assert len(outs) == 1 and outs[0].delta_token_ids == [0, 1, 2, 3, 4] and outs[0].finished
