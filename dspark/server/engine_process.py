@@ -9,14 +9,15 @@ in-process server at 32 concurrent streams reached 3.5 k tok/s where the same en
 ~0.9 s stalls on eager prefill steps (many torch calls each). In its own process the engine steps at
 its own pace whatever the HTTP side does::
 
-    server process (event loop + reader thread)            engine process
+    server process (one event loop)                        engine process
     ───────────────────────────────────────────           ──────────────
     submit / abort / debug ──── ("add" | "abort" | "debug" | "stop") ──►  EngineCore loop:
     futures, RequestGroup queues ◄── ("res" | "err" | "out" | "dead") ──     commands, engine.step()
 
-One duplex pipe; messages are pickled tuples. The reader thread of the server blocks in ``recv``
-(without the GIL) and hands results and outputs to the event loop with ``call_soon_threadsafe``. The
-engine process is started with ``spawn`` (CUDA cannot be forked), builds the engine itself
+One duplex pipe; messages are pickled tuples, outputs as deltas (``to_wire``). The server's event loop
+reads the pipe when it is readable (``add_reader``): no second thread in the server process either, so
+no GIL hand-offs there; when the loop was busy it finds several steps' messages at once, and their
+outputs coalesce in the requests' queues (``RequestGroup.outputs``). The engine process is started with ``spawn`` (CUDA cannot be forked), builds the engine itself
 (``build``, a picklable callable), sends the facts the HTTP side needs (model name, context length,
 tokenizer), and ends when told to stop or when the pipe closes (the server died). ``EngineClient``
 (engine_client.py) is the same interface around an engine object already built in this process, on a
@@ -30,18 +31,28 @@ import gc
 import itertools
 import logging
 import multiprocessing as mp
-import threading
 import traceback
-from dataclasses import replace
 from typing import Any, Callable
 
-from dspark.server.engine_client import (EngineDeadError, GenerationSpec, RequestGroup, _put_all, add_specs,
-                                         engine_snapshot, engine_state, step_slice)
+from dspark.engine.llm_engine import RequestOutput
+from dspark.server.engine_client import (EngineDeadError, GenerationSpec, RequestGroup, add_specs, engine_snapshot,
+                                         engine_state, step_slice)
 
 logger = logging.getLogger("dspark.server")
 
 
 # ------------------------------------------------------------------------------ engine process
+def to_wire(o: RequestOutput) -> tuple:
+    """What one step's output of a request sends over the pipe: the deltas only (the text so far is the
+    concatenation of the delta texts: the engine holds back what a stop string could still cut), the
+    whole text once finished, the stats once finished. Pickling a dataclass with the cumulative text
+    and token ids of every running request at every step cost the engine process time per step."""
+    o = step_slice(o)
+    fin = o.finished
+    return (o.request_id, o.delta_token_ids, o.delta_text, fin, o.finish_reason, o.stop_reason,
+            o.stats if fin else None, o.logprobs, o.text if fin else None)
+
+
 def _send_error(conn: Any, cid: int, e: BaseException) -> None:
     try:
         conn.send(("err", cid, e))
@@ -100,10 +111,8 @@ def engine_main(conn: Any, build: Callable[[], Any], log_level: int) -> None:
                     pass
                 return
             steps += 1
-            # prompt ids stay on the server side (RequestGroup.prompt_token_ids): not sent every step
-            slim = [replace(step_slice(o), prompt_token_ids=[]) for o in outputs]
             try:
-                conn.send(("out", slim, engine_snapshot(engine)))
+                conn.send(("out", [to_wire(o) for o in outputs], engine_snapshot(engine)))
             except (EOFError, OSError):
                 return
 
@@ -139,22 +148,21 @@ class ProcessEngineClient:
         self.snapshot: dict[str, Any] = info["snapshot"]
         self.observer: Any = None
         self.dead: BaseException | None = None
-        self._send_lock = threading.Lock()
-        self._streams: dict[str, RequestGroup] = {}  # request id -> group; the reader thread routes by it
-        self._streams_lock = threading.Lock()
+        self._streams: dict[str, RequestGroup] = {}  # request id -> group: where outputs go
+        self._acc: dict[str, tuple[str, list[int]]] = {}  # request id -> (text, token ids) so far
         self._pending: dict[int, asyncio.Future] = {}
         self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._reader: threading.Thread | None = None
         self._closing = False
 
     # ---------------------------------------------------------------- lifecycle
     async def start(self) -> None:
-        if self._reader is not None:
+        """Read the engine's messages on the event loop whenever the pipe is readable: no reader
+        thread, so no thread of this process waits on another for the GIL."""
+        if self._loop is not None:
             return
         self._loop = asyncio.get_running_loop()
-        self._reader = threading.Thread(target=self._read, name="dspark-engine-reader", daemon=True)
-        self._reader.start()
+        self._loop.add_reader(self._conn.fileno(), self._on_readable)
 
     async def shutdown(self) -> None:
         """Abort everything in flight and stop the engine process."""
@@ -166,6 +174,7 @@ class ProcessEngineClient:
         await loop.run_in_executor(None, self._proc.join, 30.0)
         if self._proc.is_alive():
             self._proc.kill()
+        self._stop_reading()
         self._fail_all(EngineDeadError("the server is shutting down"))
 
     @property
@@ -175,8 +184,7 @@ class ProcessEngineClient:
     # ---------------------------------------------------------------- event-loop side
     def _send(self, msg: tuple) -> None:
         try:
-            with self._send_lock:
-                self._conn.send(msg)
+            self._conn.send(msg)
         except (OSError, ValueError) as e:  # the engine process is gone
             if self.dead is None:
                 self.dead = e
@@ -202,15 +210,15 @@ class ProcessEngineClient:
         """Tokenize, validate and add all ``specs`` atomically (all or none), in the engine process.
         Raises InvalidRequestError (a client mistake) before any of them runs."""
         group = RequestGroup(self, specs)
-        with self._streams_lock:  # before the engine can answer: outputs follow the result on the pipe
-            for rid in group.request_ids:
-                self._streams[rid] = group
+        for rid in group.request_ids:  # before the engine can answer: outputs follow the result on the pipe
+            self._streams[rid] = group
+            self._acc[rid] = ("", [])
         try:
             prompt_ids, num_prompt_tokens = await self._request("add", specs)
         except BaseException as e:
-            with self._streams_lock:
-                for rid in group.request_ids:
-                    self._streams.pop(rid, None)
+            for rid in group.request_ids:
+                self._streams.pop(rid, None)
+                self._acc.pop(rid, None)
             if isinstance(e, asyncio.CancelledError):  # the handler went away: nothing may stay running
                 self.abort_nowait(group.request_ids)
             raise
@@ -222,75 +230,83 @@ class ProcessEngineClient:
     async def debug_state(self) -> dict[str, Any]:
         """KV integrity and queue sizes, read in the engine process between steps."""
         state = await self._request("debug")
-        with self._streams_lock:
-            state["streams"] = len(self._streams)
+        state["streams"] = len(self._streams)
         state["engine_pid"] = self._proc.pid
         return state
 
-    # ---------------------------------------------------------------- reader thread
-    def _resolve(self, cid: int, result: Any = None, exc: BaseException | None = None) -> None:
-        def _set() -> None:
-            fut = self._pending.get(cid)
-            if fut is None or fut.done():  # the awaiting handler was cancelled
-                return
-            if exc is not None:
-                fut.set_exception(exc)
-            else:
-                fut.set_result(result)
+    # ---------------------------------------------------------------- messages from the engine
+    def _on_readable(self) -> None:
+        """Handle every message waiting on the pipe (several when the loop was busy: their outputs
+        then coalesce in the groups' queues)."""
+        try:
+            while self._conn.poll(0):
+                self._handle(self._conn.recv())
+        except (EOFError, OSError) as e:
+            self._stop_reading()
+            if not self._closing:
+                logger.error("the engine process exited (exit code %s); the server will answer 503 from now on",
+                             self._proc.exitcode)
+                self.dead = self.dead or EngineDeadError(f"the engine process exited: {e!r}")
+            self._fail_pending()
+            self._fail_all(EngineDeadError("the engine process exited"))
 
-        self._loop.call_soon_threadsafe(_set)
-
-    def _read(self) -> None:
-        while True:
+    def _stop_reading(self) -> None:
+        if self._loop is not None:
             try:
-                msg = self._conn.recv()
-            except (EOFError, OSError) as e:
-                if not self._closing:
-                    logger.error("the engine process exited (exit code %s); the server will answer 503 from now on",
-                                 self._proc.exitcode)
-                    self.dead = self.dead or EngineDeadError(f"the engine process exited: {e!r}")
-                self._fail_pending()
-                self._fail_all(EngineDeadError("the engine process exited"))
-                return
-            kind = msg[0]
-            if kind == "out":
-                self.snapshot = msg[2]
-                self._deliver(msg[1])
-            elif kind == "res":
-                self._resolve(msg[1], msg[2])
-            elif kind == "err":
-                self._resolve(msg[1], exc=msg[2])
-            elif kind == "dead":
-                self.dead = EngineDeadError(f"the engine failed: {msg[1]}")
-                self._fail_pending()
-                self._fail_all(EngineDeadError(f"the engine failed: {msg[1]}"))
+                self._loop.remove_reader(self._conn.fileno())
+            except (OSError, ValueError):
+                pass
 
-    def _deliver(self, outputs: list[Any]) -> None:
-        batch: list[tuple[RequestGroup, Any]] = []
-        with self._streams_lock:
-            for out in outputs:
-                rid = out.request_id
-                group = self._streams.pop(rid, None) if out.finished else self._streams.get(rid)
-                if group is None:
-                    continue  # aborted or abandoned
-                out.prompt_token_ids = group.prompt_token_ids.get(rid, [])
-                batch.append((group, out))
+    def _handle(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "out":
+            self.snapshot = msg[2]
+            self._deliver(msg[1])
+        elif kind in ("res", "err"):
+            fut = self._pending.get(msg[1])
+            if fut is not None and not fut.done():  # else the awaiting handler was cancelled
+                if kind == "res":
+                    fut.set_result(msg[2])
+                else:
+                    fut.set_exception(msg[2])
+        elif kind == "dead":
+            self.dead = EngineDeadError(f"the engine failed: {msg[1]}")
+            self._fail_pending()
+            self._fail_all(EngineDeadError(f"the engine failed: {msg[1]}"))
+
+    def _deliver(self, wire: list[tuple]) -> None:
+        outputs = []
+        for rid, delta_ids, delta_text, fin, reason, stop_reason, stats, lps, final_text in wire:
+            acc = self._acc.pop(rid, None) if fin else self._acc.get(rid)
+            text, ids = acc if acc is not None else ("", [])  # None: not a stream of ours (aborted)
+            ids.extend(delta_ids)  # one list per request, grown in place
+            text = final_text if fin else text + delta_text
+            if not fin:
+                self._acc[rid] = (text, ids)
+            group = self._streams.pop(rid, None) if fin else self._streams.get(rid)
+            out = RequestOutput(request_id=rid, prompt=None,
+                                prompt_token_ids=group.prompt_token_ids.get(rid, []) if group is not None else [],
+                                text=text, token_ids=ids, delta_text=delta_text, delta_token_ids=delta_ids,
+                                finished=fin, finish_reason=reason, stop_reason=stop_reason, stats=stats or {},
+                                logprobs=lps)
+            outputs.append(out)
+            if group is not None:  # else aborted or abandoned
+                group.queue.put_nowait(out)
         if self.observer is not None and outputs:
             try:
                 self.observer.on_outputs(outputs)
             except Exception:  # metrics must never take the server down
                 logger.exception("metrics observer failed")
-        if batch:
-            self._loop.call_soon_threadsafe(_put_all, batch)
 
     def _fail_pending(self) -> None:
         exc = EngineDeadError(f"the engine is not running: {self.dead!r}")
-        for cid in list(self._pending):
-            self._resolve(cid, exc=exc)
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(exc)
 
     def _fail_all(self, exc: BaseException) -> None:
-        with self._streams_lock:
-            groups = set(self._streams.values())
-            self._streams.clear()
-        if groups and self._loop is not None:
-            self._loop.call_soon_threadsafe(_put_all, [(g, exc) for g in groups])
+        groups = set(self._streams.values())
+        self._streams.clear()
+        self._acc.clear()
+        for g in groups:
+            g.queue.put_nowait(exc)
