@@ -31,6 +31,8 @@ import gc
 import itertools
 import logging
 import multiprocessing as mp
+import queue
+import threading
 import traceback
 from typing import Any, Callable
 
@@ -73,18 +75,33 @@ def engine_main(conn: Any, build: Callable[[], Any], log_level: int) -> None:
                          "tokenizer": engine.tokenizer, "snapshot": engine_snapshot(engine)}))
     gc.collect()
     gc.freeze()  # the engine's objects out of the collector's sight (as run_serve did for the whole process)
+    # Commands are read by a thread of their own, so the server can always send (it never blocks on a
+    # full pipe while this process is blocked sending it outputs: no deadlock under load). The thread
+    # holds the GIL only to unpickle a command, so it does not slow the engine's steps.
+    commands: queue.SimpleQueue = queue.SimpleQueue()
+
+    def read_commands() -> None:
+        try:
+            while True:
+                commands.put(conn.recv())
+        except (EOFError, OSError):
+            commands.put(("eof",))
+
+    threading.Thread(target=read_commands, name="dspark-engine-commands", daemon=True).start()
     steps = 0
     while True:
         busy = engine.has_unfinished() or bool(engine.requests)
         try:
-            if not busy:
-                conn.poll(None)  # idle: sleep until a command comes
-            while conn.poll(0):
-                msg = conn.recv()
+            msgs = [] if busy else [commands.get()]  # idle: sleep until a command comes
+            while not commands.empty():
+                msgs.append(commands.get_nowait())
+            for msg in msgs:
                 kind = msg[0]
                 if kind == "add":
                     try:
                         conn.send(("res", msg[1], add_specs(engine, msg[2])))
+                    except (EOFError, OSError):
+                        raise
                     except Exception as e:
                         _send_error(conn, msg[1], e)
                 elif kind == "abort":
@@ -92,7 +109,7 @@ def engine_main(conn: Any, build: Callable[[], Any], log_level: int) -> None:
                         engine.abort(rid)
                 elif kind == "debug":
                     conn.send(("res", msg[1], dict(engine_state(engine), steps=steps)))
-                elif kind == "stop":
+                elif kind in ("stop", "eof"):  # told to stop, or the server is gone
                     for rid in list(engine.requests):
                         engine.abort(rid)
                     while engine.requests:  # report the aborts so the engine forgets them
