@@ -32,6 +32,7 @@ import itertools
 import logging
 import multiprocessing as mp
 import queue
+import signal
 import threading
 import traceback
 from typing import Any, Callable
@@ -66,6 +67,9 @@ def engine_main(conn: Any, build: Callable[[], Any], log_level: int) -> None:
     """The engine process: build the engine, report ready, then serve commands and step while there
     is work. Outputs go back once per step, each request's logprobs sliced to the step."""
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Ctrl-C reaches the whole process group: the server shuts down and tells this process to stop
+    # (aborting what runs); were it interrupted itself, it would die mid-step with a traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         engine = build()
     except BaseException as e:
