@@ -217,6 +217,8 @@ class ProcessEngineClient:
         fut = asyncio.get_running_loop().create_future()
         self._pending[cid] = fut
         self._send((kind, cid, *args))
+        if self.dead is not None and not fut.done():  # the send failed: nobody will answer
+            fut.set_exception(EngineDeadError(f"the engine is not running: {self.dead!r}"))
         try:
             return await fut
         finally:
