@@ -1,4 +1,9 @@
-"""The engine's own thread, and the asyncio-side client that talks to it.
+"""The engine's own thread, and the asyncio-side client that talks to it; the request groups and the
+engine-side helpers that the engine process (engine_process.py, what `dspark serve` runs) shares.
+
+This client is for an engine object built in the caller's process (embedding, in-process tests). Under
+load it is slower than the process client: the engine thread's PyTorch calls wait for the event loop
+thread's GIL (engine_process.py has the figures).
 
 The engine is not thread-safe, so exactly one thread (started here) ever touches it::
 
