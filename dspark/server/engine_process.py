@@ -11,14 +11,15 @@ its own pace whatever the HTTP side does::
 
     server process (one event loop)                        engine process
     ───────────────────────────────────────────           ──────────────
-    submit / abort / debug ──── ("add" | "abort" | "debug" | "stop") ──►  EngineCore loop:
+    submit / abort / debug ──── ("add" | "abort" | "debug" | "stop") ──►  engine_main's loop:
     futures, RequestGroup queues ◄── ("res" | "err" | "out" | "dead") ──     commands, engine.step()
 
 One duplex pipe; messages are pickled tuples, outputs as deltas (``to_wire``). The server's event loop
 reads the pipe when it is readable (``add_reader``): no second thread in the server process either, so
 no GIL hand-offs there; when the loop was busy it finds several steps' messages at once, and their
-outputs coalesce in the requests' queues (``RequestGroup.outputs``). The engine process is started with ``spawn`` (CUDA cannot be forked), builds the engine itself
-(``build``, a picklable callable), sends the facts the HTTP side needs (model name, context length,
+outputs coalesce in the requests' queues (``RequestGroup.outputs``). A thread of the engine process
+reads the commands, so the server never blocks sending one. The engine process is started with
+``spawn`` (CUDA cannot be forked), builds the engine itself (``build``, a picklable callable), sends the facts the HTTP side needs (model name, context length,
 tokenizer), and ends when told to stop or when the pipe closes (the server died). ``EngineClient``
 (engine_client.py) is the same interface around an engine object already built in this process, on a
 thread: for embedding and tests that hold the engine.
