@@ -70,7 +70,7 @@ from dataclasses import dataclass, fields, replace
 import numpy as np
 import torch
 
-from dspark.sample.sampler import SamplingBatch, compute_probs, sampling_row
+from dspark.sample.sampler import SamplingBatch, sampling_row
 
 logger = logging.getLogger(__name__)
 
@@ -291,7 +291,7 @@ class StepGraphs:
             rep = {k: getattr(s, k).repeat_interleave(q) for k in ("temperature", "top_k", "top_p", "min_p")}
             rows = replace(s, **rep, positions=self.num_tokens[:B], all_random=True, no_top_k=plain, no_top_p=plain,
                            no_min_p=plain)
-            probs = compute_probs(logits.reshape(-1, V), rows).view(B, q, V)
+            probs = self.runner.sampler.probs(logits.reshape(-1, V), rows).view(B, q, V)
             r = self.runner
             o, n = r._verify_probabilistic(r.spec.rejection_sample_method, probs, drafts, self.vq[:B], nd,
                                            s.seeds, self.num_tokens[:B])

@@ -30,7 +30,7 @@ from dspark.layers.attention import BatchLayout, TorchAttentionBackend
 from dspark.layers.linear import use_batch_invariant, use_cpu_split_k
 from dspark.models.llama import LlamaForCausalLM
 from dspark.models.loader import LoadedModel
-from dspark.sample.sampler import (Sampler, SamplingBatch, as_int64, compute_probs, draft_params, sampling_row,
+from dspark.sample.sampler import (Sampler, SamplingBatch, as_int64, draft_params, sampling_row,
                                    unfiltered)
 from dspark.spec.config import SpeculativeConfig
 from dspark.spec.proposer import Proposer
@@ -163,7 +163,9 @@ class ModelRunner:
         self.num_spec_tokens = 0
         if self.proposer is not None:
             self.num_spec_tokens = spec.num_speculative_tokens or self.proposer.num_slots
-        self.sampler = Sampler()
+        # top-k / top-p rows through the fused Triton sampler with the Triton backend on a GPU (no sort of
+        # the vocabulary; each row on its own programs, so batch-invariant as well)
+        self.sampler = Sampler(fused=self.device.type == "cuda" and config.resolved_attention_backend == "triton")
         # request id -> (q [B, N, V] of the proposal that drafted it, its row): the q of its pending drafts
         self.draft_probs: dict[str, tuple[torch.Tensor, int]] = {}
         # DSpark steps of sampled requests verified on the device in one-sync steps (False: through
@@ -687,7 +689,7 @@ class ModelRunner:
             preqs = [reqs[i] for i in pi]
             # The target's processed distribution at each verify row; row i decides position num_tokens + i.
             batch = self._sampling_batch(preqs, [r.num_tokens for r in preqs]).repeat_rows(N + 1)
-            probs = compute_probs(tl[p].reshape(-1, V), batch).view(len(pi), N + 1, V)
+            probs = self.sampler.probs(tl[p].reshape(-1, V), batch).view(len(pi), N + 1, V)
             q = self._draft_q(preqs, drafts[p], N, V)
             seeds = torch.tensor([as_int64(r.seed) for r in preqs], device=dev)
             pos = torch.tensor([r.num_tokens for r in preqs], device=dev)

@@ -320,7 +320,28 @@ def sample_from_candidates(penalised: Tensor, batch: SamplingBatch, stream: int)
 
 
 class Sampler:
-    """Picks one token per row from raw [B, V] logits according to a SamplingBatch."""
+    """Picks one token per row from raw [B, V] logits according to a SamplingBatch.
+
+    ``fused``: on a GPU, rows with top-k / top-p go through the fused Triton sampler
+    (dspark.kernels.markov_sampler.sample_rows / processed_probs: the cut found as one threshold, no sort
+    of the vocabulary, two launches) instead of the PyTorch ops below; the same draw but for exact ties
+    at the top-p cut and the rounding of the sums behind a top-p decision (that module's docstring).
+    """
+
+    def __init__(self, fused: bool = False) -> None:
+        self.fused = fused
+
+    def _use_fused(self, logits: Tensor, batch: SamplingBatch) -> bool:
+        return self.fused and logits.is_cuda and not batch.all_greedy and not (batch.no_top_k and batch.no_top_p)
+
+    def probs(self, logits: Tensor, batch: SamplingBatch, out: Tensor | None = None) -> Tensor:
+        """``compute_probs(logits, batch)`` ([B, V] f32), fused where ``fused`` says; ``out``: a contiguous
+        [B, V] f32 buffer the fused path writes into (the PyTorch path returns a new tensor)."""
+        if self._use_fused(logits, batch):
+            from dspark.kernels.markov_sampler import processed_probs
+
+            return processed_probs(logits, batch, probs_out=out)
+        return compute_probs(logits, batch)
 
     def __call__(self, logits: Tensor, batch: SamplingBatch, stream: int = STREAM_SAMPLE,
                  no_sync: bool = False) -> Tensor:
@@ -329,6 +350,10 @@ class Sampler:
         processed logits that depends only on (seed, position, stream). ``no_sync``: never read a
         device value on the host (async scheduling): the whole-vocabulary draw is made even when
         every row was served by its candidates (the same tokens, more GPU work)."""
+        if self._use_fused(logits, batch) and not batch.no_top_p:  # top-k alone: the candidates below
+            from dspark.kernels.markov_sampler import sample_rows
+
+            return sample_rows(logits, batch, stream)
         penalised = apply_penalties(logits.float(), batch)
         if batch.all_greedy:
             return penalised.argmax(dim=-1)

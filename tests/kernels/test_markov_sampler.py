@@ -224,3 +224,61 @@ def test_philox_words_kernel_matches_rng(stream: int) -> None:
     cols = torch.randint(0, 49152, (5, 21), generator=torch.Generator().manual_seed(0))
     assert torch.equal(philox_words_triton(seeds, positions, stream, cols=cols),
                        _random_words_at(seeds, positions, stream, cols))
+
+
+# ------------------------------------------------------- the same kernels on independent rows
+# Sampler(fused=True) on a GPU: the target's verification rows (processed_probs, in place of a vocabulary
+# sort per row) and plain top-p sampling (sample_rows).
+_ROW_PARAMS = [
+    P(temperature=0.0),  # greedy: one-hot of the argmax / the argmax
+    P(temperature=1.0, top_p=0.9),
+    P(temperature=0.7, top_k=5),
+    P(temperature=0.6, top_p=0.8, top_k=12),
+    P(temperature=1.3, min_p=0.05, top_p=0.95),
+    P(temperature=0.9),  # no filter in a filtered batch
+    P(temperature=3.0, top_p=0.97),  # flat: the cut found by bisection
+    P(temperature=0.8, top_p=0.9, repetition_penalty=1.4, frequency_penalty=0.3),
+    P(temperature=0.0, repetition_penalty=2.0),  # greedy rows take the penalised argmax
+    P(temperature=2.0, top_k=300, top_p=0.9, min_p=0.001),  # flat, top-k > cap: bisection, then radix
+]
+
+
+def _rows(seed: int, V: int = 1003, scale: float = 3.0):
+    g = torch.Generator().manual_seed(seed)
+    R = len(_ROW_PARAMS)
+    logits = torch.randn(R, V, generator=g) * scale
+    logits[[6, 9]] /= scale  # the flat rows
+    positions = torch.randint(0, 10**6, (R,), generator=g)
+    return logits, _batch(_ROW_PARAMS, positions - 1, V, seed)
+
+
+@pytest.mark.parametrize(("seed", "radix"), [(0, 1), (1, 2)])
+def test_processed_probs_matches_compute_probs(seed: int, radix: int, monkeypatch) -> None:
+    """radix 1 (the default): rows whose top-p candidates overflow the buffer take the radix select;
+    radix 2: every top-p row without top-k does."""
+    from dspark.kernels import markov_sampler
+    from dspark.kernels.markov_sampler import processed_probs
+    from dspark.sample.sampler import compute_probs
+
+    monkeypatch.setattr(markov_sampler, "TOPP_RADIX", radix)
+    logits, batch = _rows(seed)
+    paths = torch.empty(len(_ROW_PARAMS), dtype=torch.int32)
+    out = torch.full_like(logits, float("nan"))
+    q = processed_probs(logits, batch, probs_out=out, block_v=128, cap=64, _paths=paths)
+    assert q is out
+    ref = compute_probs(logits, batch)
+    torch.testing.assert_close(q, ref, rtol=0, atol=1e-6)
+    assert torch.equal(q > 0, ref > 0)  # the same kept sets
+    # every way to the cut ran: none (greedy), no filter, sorted candidates, the radix select (flat row)
+    assert paths[0] == -1 and paths[5] == 0 and paths[2] == 1 and paths[6] == 4 and paths[9] == 4, paths
+    assert (paths[4] == 4) == (radix == 2)  # a peaked top-p row: sorted candidates unless radix 2
+
+
+def test_sample_rows_matches_sampler() -> None:
+    from dspark.kernels.markov_sampler import sample_rows
+    from dspark.sample.sampler import Sampler
+
+    logits, batch = _rows(2)
+    for stream in (STREAM_SAMPLE, STREAM_ACCEPT):
+        assert torch.equal(sample_rows(logits, batch, stream, block_v=128, cap=64), Sampler()(logits, batch, stream))
+
