@@ -14,7 +14,8 @@ over batch sizes x prompt sets (held-out ShareGPT, built-in code prompts) x temp
 
 One cell = (system, prompt set, temperature, batch size B): N prompts of the set (chat-templated;
 cycled when the set is smaller), every request generating exactly ``max_tokens`` tokens (EOS ignored
-on both sides), N = ``--cell-prompts`` (default on CUDA: max(16, 4B); on CPU: B). B is the number of
+on both sides; ``--stop-at-eos``: each request ends at its natural end, at most ``max_tokens``, and tok/s
+counts the tokens generated — greedy systems generate the same ones), N = ``--cell-prompts`` (default on CUDA: max(16, 4B); on CPU: B). B is the number of
 requests in flight:
   dspark        all N prompts are submitted at once to an engine that runs at most B at a time
                 (continuous batching: a finished request's seat goes to the next prompt), as a server
@@ -90,6 +91,9 @@ def add_bench_matrix_arguments(p: argparse.ArgumentParser) -> None:
                    help="nucleus sampling for the sampled cells (T > 0), every system alike (default: 1, off)")
     p.add_argument("--max-tokens", type=int, default=None,
                    help="new tokens per request, EOS ignored (default: 256 on CUDA, 32 on CPU)")
+    p.add_argument("--stop-at-eos", action="store_true",
+                   help="requests end at EOS (at most --max-tokens) instead of ignoring it; tok/s counts the "
+                        "tokens generated")
     p.add_argument("--warmup", type=int, default=1, help="untimed calls per system and cell (default: 1)")
     p.add_argument("--runs", type=int, default=1, help="timed calls per system and cell; median wall time (default: 1)")
     p.add_argument("--hf-mode", default="auto", choices=HF_MODES,
@@ -109,7 +113,7 @@ class Run:
     """One timed call of one system on one cell (its waves merged)."""
 
     wall_s: float
-    token_ids: list[list[int]]  # [B][max_tokens]
+    token_ids: list[list[int]]  # [B][max_tokens] (--stop-at-eos: up to max_tokens, EOS included)
     steps: int  # engine steps (dspark) / forwards (HF)
     target_s: float | None = None
     drafter_s: float | None = None
@@ -126,6 +130,7 @@ class DsparkSystem:
     """An ``LLM`` whose engine steps are counted (the only timing this file adds to the engine's own)."""
 
     top_p = 1.0  # sampled cells (run_bench_matrix sets --top-p)
+    stop_at_eos = False  # (run_bench_matrix sets --stop-at-eos)
 
     def __init__(self, llm) -> None:
         self.llm = llm
@@ -146,7 +151,7 @@ class DsparkSystem:
         st, dev = engine.spec_stats, engine.config.device
         before = (self.steps, st.num_steps, st.num_accepted, st.verify_time_s, st.draft_time_s)
         params = SamplingParams(temperature=temperature, top_p=self.top_p if temperature > 0 else 1.0,
-                                max_tokens=max_tokens, ignore_eos=True)
+                                max_tokens=max_tokens, ignore_eos=not self.stop_at_eos)
         engine.scheduler.max_num_seqs = min(concurrency or len(batch), engine.config.max_num_seqs)
         gc_module.collect()  # each timed call starts from the same collector state (earlier calls' outputs freed)
         _sync(dev)
@@ -158,13 +163,15 @@ class DsparkSystem:
             engine.scheduler.max_num_seqs = engine.config.max_num_seqs
         wall = time.perf_counter() - t
         ids = [o.token_ids for o in outs]
-        assert all(len(x) == max_tokens for x in ids), "dspark: a request did not generate max_tokens tokens"
+        assert self.stop_at_eos or all(len(x) == max_tokens for x in ids), \
+            "dspark: a request did not generate max_tokens tokens"
         return Run(wall, ids, self.steps - before[0], st.verify_time_s - before[3], st.draft_time_s - before[4],
                    st.num_steps - before[1], st.num_accepted - before[2])
 
 
 class HFSystem:
     top_p = 1.0
+    stop_at_eos = False
 
     def __init__(self, model: torch.nn.Module, mode: str, device: str, pad_token_id: int) -> None:
         self.model, self.mode, self.device, self.pad = model, mode, device, pad_token_id
@@ -188,7 +195,9 @@ class HFSystem:
             cc._compile_all_devices = True  # generate compiles on CUDA by itself; asked for, compile anywhere
             kw.update(cache_implementation="static", compile_config=cc)
         gc = self.model.generation_config
-        saved, gc.eos_token_id = gc.eos_token_id, None  # ignore EOS, as dspark's ignore_eos
+        saved = gc.eos_token_id
+        if not self.stop_at_eos:
+            gc.eos_token_id = None  # ignore EOS, as dspark's ignore_eos
         try:
             x, mask = x.to(self.device), mask.to(self.device)
             gc_module.collect()
@@ -200,8 +209,13 @@ class HFSystem:
             wall = time.perf_counter() - t
         finally:
             gc.eos_token_id = saved
-        assert out.shape[1] - L == max_tokens, "HF: generate did not produce max_tokens tokens"
-        return Run(wall, out[:, L:].tolist(), max_tokens)
+        new = out[:, L:].tolist()
+        if not self.stop_at_eos:
+            assert len(new[0]) == max_tokens, "HF: generate did not produce max_tokens tokens"
+        else:  # each row up to its first EOS (included); the rest is padding
+            eos = set([saved] if isinstance(saved, int) else saved or [])
+            new = [row[:next((i + 1 for i, x in enumerate(row) if x in eos), len(row))] for row in new]
+        return Run(wall, new, len(out[0]) - L)
 
 
 def resolve_hf_mode(mode: str, device: str) -> str:
@@ -272,10 +286,12 @@ def make_cell(system: str, label: str, key: dict, runs: list[Run], batch_size: i
     steps = sum(r.steps for r in runs)
     wall_total = sum(r.wall_s for r in runs)
     n = len(runs[0].token_ids)
+    # n * max_tokens unless --stop-at-eos (then the same for every greedy system, up to bf16 near-ties)
+    new_tokens = statistics.median(sum(map(len, r.token_ids)) for r in runs)
     cell = dict(
         system=system, label=label, **key, batch_size=batch_size, max_tokens=max_tokens, num_prompts=n,
-        batching=batching, wall_s=wall, wall_s_runs=[r.wall_s for r in runs],
-        tok_s_total=n * max_tokens / wall, tok_s_per_user=n * max_tokens / wall / batch_size,
+        batching=batching, wall_s=wall, wall_s_runs=[r.wall_s for r in runs], new_tokens=new_tokens,
+        tok_s_total=new_tokens / wall, tok_s_per_user=new_tokens / wall / batch_size,
         tau=None, steps_per_run=steps / len(runs), ms_per_step=1000 * wall_total / steps,
         target_ms_per_step=None, drafter_ms_per_step=None, host_ms_per_step=None,
         speedup_vs_plain=None, speedup_vs_hf=None, tokens_sha256=tokens_hash(runs[0].token_ids),
@@ -490,7 +506,7 @@ def _run_bench_matrix(a: argparse.Namespace) -> int:
                 f"requests will wait or be preempted (raise --kv-cache-memory-gb)")
 
     for system in systems.values():
-        system.top_p = a.top_p
+        system.top_p, system.stop_at_eos = a.top_p, a.stop_at_eos
     cells: list[dict] = []
     res = run_header("dspark bench: HF transformers vs dspark vs dspark + DSpark, side by side", engine, device) | {
         "complete": False,  # the JSON is rewritten after every (prompt set, temperature, batch size)
@@ -503,6 +519,7 @@ def _run_bench_matrix(a: argparse.Namespace) -> int:
         "temperatures": temperatures,
         "top_p": a.top_p,
         "max_tokens": max_tokens,
+        "stop_at_eos": a.stop_at_eos,
         "warmup": a.warmup,
         "runs": a.runs,
         "cell_prompts": {str(b): n for b, n in cell_prompts.items()},

@@ -127,6 +127,40 @@ def test_cells_run_several_prompts_at_concurrency_b(tiny, one_thread):
                    for g in res["greedy_checks"])
 
 
+def test_stop_at_eos_counts_the_tokens_generated(tiny, one_thread):
+    """--stop-at-eos: requests end at their EOS; tok/s counts what was generated. The checkpoint is copied
+    with half the vocabulary as EOS ids so the random model stops early, on both sides (dspark reads
+    config.json, HF its generation config)."""
+    import shutil
+
+    root, common, source = tiny
+    target = root / "target_eos"
+    if not target.exists():
+        shutil.copytree(common[1], target)
+        for name in ("config.json", "generation_config.json"):
+            f = target / name
+            if f.exists():
+                cfg = json.loads(f.read_text())
+                cfg["eos_token_id"] = list(range(1, 257))
+                f.write_text(json.dumps(cfg))
+    out = root / "eos.json"
+    args = ["bench", "--model", str(target), *common[2:], "--batch-sizes", "1,2", "--max-tokens", "8",
+            "--temperatures", "0", "--prompt-sets", "sharegpt", "--cell-prompts", "2", "--prompt-source", str(source)]
+    assert main([*args, "--stop-at-eos", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["stop_at_eos"] is True
+    short = False
+    for c in res["cells"]:
+        assert 1 <= c["new_tokens"] <= c["num_prompts"] * 8
+        assert c["tok_s_total"] == pytest.approx(c["new_tokens"] / c["wall_s"])
+        short |= c["new_tokens"] < c["num_prompts"] * 8
+    assert short  # some request met an EOS
+    by = {(c["system"], c["batch_size"]): c["new_tokens"] for c in res["cells"]}
+    for b in (1, 2):  # greedy: the same tokens, hence as many, on every side (HF included at fp32)
+        assert by[("dspark_plain", b)] == by[("dspark_spec", b)] == by[("hf", b)]
+    assert all(g["spec_identical_to_plain"] and g["hf_identical_to_plain"] for g in res["greedy_checks"])
+
+
 def test_cli_bench_and_bench_decode(tiny, one_thread):
     root, common, _ = tiny
     out = root / "cli.json"
