@@ -32,15 +32,15 @@ def _llm(spec_pair, one_sync: bool, graph_prefill_tokens: int = 512, **spec) -> 
 
 # low temperatures: the tiny random target is nearly uniform at T = 1, which would reject every draft
 PARAMS = {
-    "sampled": [SamplingParams(temperature=t, seed=s, max_tokens=20, ignore_eos=True)
+    "sampled": [SamplingParams(temperature=t, seed=s, max_tokens=12, ignore_eos=True)
                 for t, s in ((0.3, 1), (1.0, 2), (0.5, 3))],
-    "mixed": [SamplingParams(temperature=0.4, top_p=0.9, seed=5, max_tokens=20, ignore_eos=True),
-              SamplingParams(temperature=0, max_tokens=17, ignore_eos=True),
-              SamplingParams(temperature=0.6, top_k=7, min_p=0.05, seed=9, max_tokens=22, ignore_eos=True)],
+    "mixed": [SamplingParams(temperature=0.4, top_p=0.9, seed=5, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
+              SamplingParams(temperature=0.6, top_k=7, min_p=0.05, seed=9, max_tokens=14, ignore_eos=True)],
     # temperature only: verified by the sampled verification graph (StepGraphs._verify_step), greedy beside it
-    "mixed_t": [SamplingParams(temperature=0.4, seed=5, max_tokens=20, ignore_eos=True),
-                SamplingParams(temperature=0, max_tokens=17, ignore_eos=True),
-                SamplingParams(temperature=0.6, seed=9, max_tokens=22, ignore_eos=True)],
+    "mixed_t": [SamplingParams(temperature=0.4, seed=5, max_tokens=12, ignore_eos=True),
+                SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
+                SamplingParams(temperature=0.6, seed=9, max_tokens=14, ignore_eos=True)],
 }
 
 
@@ -81,14 +81,14 @@ def test_sampled_requests_pipeline_full_blocks_up_to_max_tokens(spec_pair, promp
     host path's (synchronous, one step at a time), every output stops exactly at max_tokens, and no
     verification step fell back to the Sampler."""
     params = [SamplingParams(temperature=t, seed=s, max_tokens=n, ignore_eos=True)
-              for t, s, n in ((0.3, 4, 7), (0.5, 6, 23), (1.0, 8, 16))]
+              for t, s, n in ((0.3, 4, 7), (0.5, 6, 15), (1.0, 8, 11))]
     reqs = list(zip(prompts, params))
     ref = _llm(spec_pair, False)
     want, _, _ = _drive(ref, reqs)
     llm = _llm(spec_pair, True)
     got, _, inflight = _drive(llm, reqs)
     assert _summary(got) == _summary(want)
-    assert [len(got[f"req-{i}"].token_ids) for i in range(3)] == [7, 23, 16]
+    assert [len(got[f"req-{i}"].token_ids) for i in range(3)] == [7, 15, 11]
     st, ref_st = llm.engine.spec_stats, ref.engine.spec_stats
     assert (st.num_drafts, st.num_accepted) == (ref_st.num_drafts, ref_st.num_accepted)
     g = llm.engine.runner.graphs
