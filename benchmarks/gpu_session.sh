@@ -9,7 +9,8 @@
 #   3. the Triton kernel benchmarks (benchmarks/kernel_*_bench.py);
 #   graphs: the CUDA-graph checks and step timings on random weights (benchmarks/gpu_graphs_check.py);
 #   correctness: `dspark bench correctness` (spec vs no spec vs HF, greedy, 64 prompts x 128 tokens);
-#   bench: `dspark bench`, the side-by-side matrix (HF static+compiled, dspark, dspark + DSpark);
+#   bench: `dspark bench`, the side-by-side matrix (HF static+compiled, dspark, dspark + DSpark), once per
+#          '|'-separated set of options in BENCH_ARGS;
 #   cprofile: where continuous batching's time goes, plain vs DSpark (benchmarks/gpu_continuous_profile.py).
 # STEPS picks and orders them; BACKEND (default triton) is the attention backend of the dspark runs.
 set -uo pipefail
@@ -41,19 +42,24 @@ for step in $STEPS; do
     timeout ${CORRECT_S:-200} python3 -m dspark.cli bench correctness --device $DEV --attention-backend ${BACKEND:-triton} \
       --prompt-source /tmp/sharegpt_prompts.json.gz --out "$OUT/correctness.json" ${CORRECT_ARGS:-} > "$OUT/correctness.log" 2>&1
     echo "correctness rc=$?"; tail -n 25 "$OUT/correctness.log" ;;
-  bench)
-    timeout ${BENCH_S:-300} python3 -m dspark.cli bench --device $DEV --attention-backend ${BACKEND:-triton} \
-      --prompt-source /tmp/sharegpt_prompts.json.gz --json "$OUT/bench.json" --plot-dir "$OUT/plots" \
-      ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
-    echo "bench rc=$?"; tail -n 40 "$OUT/bench.log" ;;
+  bench)  # BENCH_ARGS: one set of options, or several separated by '|' (one process each: bench_1, ...)
+    i=0; IFS='|' read -ra SETS <<< "${BENCH_ARGS:-}"; [ ${#SETS[@]} -eq 0 ] && SETS=("")
+    for args in "${SETS[@]}"; do
+      i=$((i + 1)); name=bench; [ ${#SETS[@]} -gt 1 ] && name=bench_$i
+      timeout ${BENCH_S:-300} python3 -m dspark.cli bench --device $DEV --attention-backend ${BACKEND:-triton} \
+        --prompt-source /tmp/sharegpt_prompts.json.gz --json "$OUT/$name.json" --plot-dir "$OUT/plots_$name" \
+        $args > "$OUT/$name.log" 2>&1
+      echo "$name rc=$? ($args)"; tail -n 25 "$OUT/$name.log"
+    done ;;
   cprofile)
     timeout ${CPROF_S:-300} python3 benchmarks/gpu_continuous_profile.py "$OUT/cprofile" \
       --prompt-source /tmp/sharegpt_prompts.json.gz ${CPROF_ARGS:-} > "$OUT/cprofile.log" 2>&1
     echo "cprofile rc=$?"; grep -E '^(plain|dspark)|"(tok_s|calls|ms_per_call|tau)"|"(execute|launch|readback)' "$OUT/cprofile.log" | head -60 ;;
-  kernels)
-    for k in attention ops rejection; do
+  kernels)  # KERNELS: which benchmarks (default attention ops rejection); KERNEL_ARGS: options for each
+    for k in ${KERNELS:-attention ops rejection}; do
       [ -f benchmarks/kernel_${k}_bench.py ] || continue
-      timeout 100 python3 benchmarks/kernel_${k}_bench.py --out "$OUT/kernel_$k.json" > "$OUT/kernel_$k.log" 2>&1
+      timeout 100 python3 benchmarks/kernel_${k}_bench.py --out "$OUT/kernel_$k.json" ${KERNEL_ARGS:-} \
+        > "$OUT/kernel_$k.log" 2>&1
       echo "kernel $k rc=$?"; tail -n 30 "$OUT/kernel_$k.log"
     done ;;
   esac

@@ -20,6 +20,11 @@ in the JSON. Times are medians of ``triton.testing.do_bench`` (ms). For the Mark
 ``graph_ms`` is the fused path replayed as one CUDA graph (it never synchronises with the host, so
 it can be captured; the reference cannot: it reads ``any()`` of a device tensor).
 
+The same kernels on independent rows (``--only rows``): ``processed_probs`` against ``compute_probs`` (the
+target's verification rows; the reference sorts each row) and ``sample_rows`` against ``Sampler()``
+(plain top-p sampling), at 1 / 8 / 32 / 256 rows, peaked and flat; a flat row's boundary token may fall
+on either side of the top-p cut (float sums in another order): counted, and bounded by the check.
+
 The Markov sampler's base logits are made LM-like: Gaussian noise plus a few strongly boosted tokens
 per slot, so top-p sets are tens of tokens rather than most of the vocabulary.
 """
@@ -52,7 +57,7 @@ from dspark.kernels.gemv import (
     add_rms_norm_linear,
     add_rms_norm_linear_reference,
 )
-from dspark.kernels.markov_sampler import markov_sample, markov_sample_reference
+from dspark.kernels.markov_sampler import markov_sample, markov_sample_reference, processed_probs, sample_rows
 from dspark.layers.basic import RotaryEmbedding, apply_rope
 GEMV_ROWS = 8  # the shapes the GEMV rows are timed at (models/llama.py uses the kernels at GEMV_MAX_ROWS = 1)
 from dspark.sample.sampler import SamplingBatch
@@ -119,6 +124,61 @@ def run_markov(batches: list[int], gammas: list[int], rep: int) -> list[dict]:
                                  ref_ms=t_ref, triton_ms=t_tri, graph_ms=t_graph, speedup=t_ref / t_tri,
                                  token_match=match, q_max_abs_diff=qdiff, correct=ok))
                 print_row(rows[-1])
+    return rows
+
+
+# ------------------------------------------------------------- independent rows (Sampler(fused=True))
+ROW_SAMPLING = {  # name -> (params, logit scale, hot tokens per row)
+    "T=1,top_p=0.9": (dict(temperature=1.0, top_p=0.9), 2.0, 24),
+    "T=0.7,top_k=20,top_p=0.8": (dict(temperature=0.7, top_k=20, top_p=0.8), 2.0, 24),
+    "T=1,top_p=0.9,flat": (dict(temperature=1.0, top_p=0.9), 1.0, 0),  # thousands kept: bisection
+}
+
+
+def run_rows(row_counts: list[int], rep: int) -> list[dict]:
+    """The target's verification rows (``processed_probs`` against ``compute_probs``, which sorts each
+    row) and plain top-p sampling (``sample_rows`` against ``Sampler()``), R independent rows."""
+    from dspark.sample.sampler import Sampler, compute_probs
+
+    rows = []
+    for name, (kw, scale, hot) in ROW_SAMPLING.items():
+        for R in row_counts:
+            g = torch.Generator(device="cuda").manual_seed(R)
+            logits = torch.randn(R, VOCAB, device="cuda", generator=g) * scale
+            if hot:
+                idx = torch.randint(0, VOCAB, (R, hot), device="cuda", generator=g)
+                logits.scatter_add_(1, idx, 6.0 + 8.0 * torch.rand(R, hot, device="cuda", generator=g))
+            pos = torch.randint(0, 4000, (R,), generator=torch.Generator().manual_seed(R)).tolist()
+            batch = SamplingBatch.build([SamplingParams(**kw)] * R, list(range(1, R + 1)), pos, [[]] * R, [[]] * R,
+                                        VOCAB, "cuda")
+            out = torch.empty(R, VOCAB, device="cuda")
+            q, ref_q = processed_probs(logits, batch, probs_out=out), compute_probs(logits, batch)
+            # Flat rows put thousands of tokens above the top-p cut, where the float sums of the two ways
+            # (a sorted cumsum, tile sums) may disagree on the boundary token: counted, and it must be rare
+            # and carry little mass.
+            differ = (q > 0) != (ref_q > 0)
+            set_diffs = int(differ.sum())
+            diff_mass = float(torch.where(differ, torch.maximum(q, ref_q), 0).sum(-1).max())
+            diff = float(torch.where(differ, 0, q - ref_q).abs().max())
+            rows.append(dict(op="processed_probs", config=name, batch=R, gamma=None, rows=R,
+                             ref_ms=bench(lambda: compute_probs(logits, batch), rep),
+                             triton_ms=bench(lambda: processed_probs(logits, batch, probs_out=out), rep),
+                             graph_ms=bench_graph(lambda: processed_probs(logits, batch, probs_out=out), rep),
+                             max_abs_diff=diff, boundary_tokens_differing=set_diffs, differing_mass=diff_mass,
+                             correct=diff <= 1e-5 and set_diffs <= max(1, R // 16) and diff_mass < 1e-4))
+            rows[-1]["speedup"] = rows[-1]["ref_ms"] / rows[-1]["triton_ms"]
+            print_row(rows[-1])
+            if R > 64:
+                continue
+            tok, ref_tok = sample_rows(logits, batch, 0), Sampler()(logits, batch, 0)
+            match = float((tok == ref_tok).float().mean())
+            rows.append(dict(op="sample_rows", config=name, batch=R, gamma=None, rows=R,
+                             ref_ms=bench(lambda: Sampler()(logits, batch, 0, no_sync=True), rep),
+                             triton_ms=bench(lambda: sample_rows(logits, batch, 0), rep),
+                             graph_ms=bench_graph(lambda: sample_rows(logits, batch, 0), rep),
+                             token_match=match, correct=match == 1.0))
+            rows[-1]["speedup"] = rows[-1]["ref_ms"] / rows[-1]["triton_ms"]
+            print_row(rows[-1])
     return rows
 
 
@@ -233,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="kernel_ops_bench.json", help="JSON results path")
     ap.add_argument("--quick", action="store_true", help="batch 1 and 32, γ 7 only, fewer repetitions")
-    ap.add_argument("--only", choices=["markov", "layers"], help="run one group only")
+    ap.add_argument("--only", choices=["markov", "rows", "layers"], help="run one group only")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("kernel_ops_bench needs a CUDA GPU", file=sys.stderr)
@@ -247,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     if args.only in (None, "markov"):
         rows += run_markov(batches, gammas, rep)
+    if args.only in (None, "rows"):
+        rows += run_rows([1, 8, 32, 256], rep)
     if args.only in (None, "layers"):
         rows += run_layer_ops(batches, rep)
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
