@@ -466,6 +466,18 @@ def _row_threshold(z_row, cand_row, V, NT, part_max_row, M, Z, topk, topp, log_m
     return theta, zk, path
 
 
+@triton.jit
+def _first_argmax(pmax_row, pidx_row, NT, NT_PAD: tl.constexpr):
+    """The row's arg-max from its NT tile partials (max, index): the first tile's on ties, so the first
+    index overall, as torch.argmax."""
+    tt = tl.arange(0, NT_PAD)
+    tm = tt < NT
+    m = tl.load(pmax_row + tt, mask=tm, other=_NEG_INF, cache_modifier=".cg")
+    i = tl.load(pidx_row + tt, mask=tm, other=0, cache_modifier=".cg")
+    first = tl.min(tl.where(tm & (m == tl.max(m, 0)), tt, NT_PAD), 0)
+    return tl.sum(tl.where(tt == first, i, 0), 0)
+
+
 # --------------------------------------------------------------------------------- kernels
 @triton.jit
 def _markov_logits_kernel(
@@ -537,13 +549,9 @@ def _markov_logits_kernel(
     arrived = tl.atomic_add(cnt_ptr + b, 1, sem="acq_rel", scope="gpu")
     if arrived == NT - 1:  # the last program of row b reduces it
         tl.store(cnt_ptr + b, 0)
+        greedy_tok = _first_argmax(pmax_ptr + b * NT_PAD, pidx_ptr + b * NT_PAD, NT, NT_PAD)
         tt = tl.arange(0, NT_PAD)
         tm = tt < NT
-        gm = tl.load(pmax_ptr + b * NT_PAD + tt, mask=tm, other=_NEG_INF, cache_modifier=".cg")
-        gi = tl.load(pidx_ptr + b * NT_PAD + tt, mask=tm, other=0, cache_modifier=".cg")
-        best = tl.max(gm, 0)
-        first = tl.min(tl.where(tm & (gm == best), tt, NT_PAD), 0)
-        greedy_tok = tl.sum(tl.where(tt == first, gi, 0), 0)
         if sampled:
             mz = tl.load(pmz_ptr + b * NT_PAD + tt, mask=tm, other=_NEG_INF, cache_modifier=".cg")
             se = tl.load(pse_ptr + b * NT_PAD + tt, mask=tm, other=0.0, cache_modifier=".cg")
@@ -674,13 +682,8 @@ def _markov_sample_kernel(
             arrived = tl.atomic_add(cnt_ptr + b, 1, sem="acq_rel", scope="gpu")
             if arrived == NT - 1:
                 tl.store(cnt_ptr + b, 0)
-                tt = tl.arange(0, NT_PAD)
-                tm = tt < NT
-                sm = tl.load(pmax_ptr + b * NT_PAD + tt, mask=tm, other=_NEG_INF, cache_modifier=".cg")
-                si = tl.load(pidx_ptr + b * NT_PAD + tt, mask=tm, other=0, cache_modifier=".cg")
-                best = tl.max(sm, 0)
-                first = tl.min(tl.where(tm & (sm == best), tt, NT_PAD), 0)
-                tl.store(tok_ptr + b * stride_tok, tl.sum(tl.where(tt == first, si, 0), 0).to(tl.int64))
+                tok = _first_argmax(pmax_ptr + b * NT_PAD, pidx_ptr + b * NT_PAD, NT, NT_PAD)
+                tl.store(tok_ptr + b * stride_tok, tok.to(tl.int64))
     else:
         if WRITE_Q:  # one-hot for probabilistic rows at temperature 0, zeros for the others
             tok = tl.load(tok_ptr + b * stride_tok)

@@ -19,12 +19,12 @@ from dspark import LLM, SamplingParams  # noqa: E402
 from dspark.engine.runner import ModelRunner  # noqa: E402
 from tests.engine.test_async_scheduling import _drive, _summary, prompts, spec_pair  # noqa: E402,F401
 
-GREEDY = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 PARAMS = [
-    SamplingParams(temperature=0.4, top_p=0.9, seed=5, max_tokens=16, ignore_eos=True),
+    SamplingParams(temperature=0.4, top_p=0.9, seed=5, max_tokens=11, ignore_eos=True),
     GREEDY,
-    SamplingParams(temperature=0.6, top_k=7, min_p=0.05, seed=9, max_tokens=18, ignore_eos=True),
-    SamplingParams(temperature=0.3, seed=1, max_tokens=12, ignore_eos=True),
+    SamplingParams(temperature=0.6, top_k=7, min_p=0.05, seed=9, max_tokens=12, ignore_eos=True),
+    SamplingParams(temperature=0.3, seed=1, max_tokens=9, ignore_eos=True),
     GREEDY,
 ]
 
