@@ -551,7 +551,9 @@ def _run_bench_matrix(a: argparse.Namespace) -> int:
                 new = [make_cell(n, labels[n], key, r, b, max_tokens, "continuous" if continuous[n] else "waves")
                        for n, r in runs.items()]
                 cells.extend(new)
-                log(f"{ps} T={t:g} B={b}: " + ", ".join(f"{c['label']} {c['tok_s_total']:.1f} tok/s" for c in new))
+                tokens = (lambda c: f" ({c['new_tokens']:g} tokens)") if a.stop_at_eos else (lambda c: "")
+                log(f"{ps} T={t:g} B={b}: " + ", ".join(f"{c['label']} {c['tok_s_total']:.1f} tok/s{tokens(c)}"
+                                                      for c in new))
                 save()
 
     print(format_table(cells))
