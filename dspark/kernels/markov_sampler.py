@@ -776,16 +776,17 @@ def _process_rows(logits: Tensor, batch: SamplingBatch, stream: int | None, prob
         HAS_MARKOV=False, HAS_PEN=rs.has_pen, HAS_REP=rs.has_rep, BLOCK_R=1, BIAS_IN=False, DEFER=defer,
         **rs.logits_meta(), num_warps=num_warps, **rs.opts,
     )
-    # rows whose top-p cut needs an exact search over the row (path 3): eight radix digits, each spread
-    # over the row's tiles (a no-op launch when there are none)
-    pref = torch.empty(R, dtype=torch.int64, device=dev)
-    above = torch.empty(R, dtype=torch.float32, device=dev)
-    radix_v = max(block_v, RADIX_BLOCK)  # larger tiles than the logits pass: fewer programs per launch
-    NT_R = triton.cdiv(V, radix_v)
-    part = torch.empty(R, next_pow2(NT_R), 32, dtype=torch.float32, device=dev)
-    for shift in range(28, -1, -4):
-        _topp_radix_kernel[(R, NT_R)](z, rs.row, pref, above, part, rs.cnt, V, NT_R,
-                                      SHIFT=shift, BLOCK_V=radix_v, NT_PAD=next_pow2(NT_R), num_warps=num_warps)
+    if not batch.no_top_p:
+        # rows whose top-p cut needs an exact search over the row (path 3): eight radix digits, each spread
+        # over the row's tiles (programs of the other rows return at once)
+        pref = torch.empty(R, dtype=torch.int64, device=dev)
+        above = torch.empty(R, dtype=torch.float32, device=dev)
+        radix_v = max(block_v, RADIX_BLOCK)  # larger tiles than the logits pass: fewer programs per launch
+        NT_R = triton.cdiv(V, radix_v)
+        part = torch.empty(R, next_pow2(NT_R), 32, dtype=torch.float32, device=dev)
+        for shift in range(28, -1, -4):
+            _topp_radix_kernel[(R, NT_R)](z, rs.row, pref, above, part, rs.cnt, V, NT_R, SHIFT=shift,
+                                          BLOCK_V=radix_v, NT_PAD=next_pow2(NT_R), num_warps=num_warps)
     if paths is not None:
         paths.copy_(torch.where((rs.flags & 2) != 0, rs.row[:, 3].to(torch.int32), -1))
     positions = batch.positions.to(device=dev, dtype=torch.int64) if stream is not None else tokens
@@ -800,7 +801,8 @@ def _process_rows(logits: Tensor, batch: SamplingBatch, stream: int | None, prob
 
 def processed_probs(logits: Tensor, batch: SamplingBatch, *, probs_out: Tensor | None = None, block_v: int = 256,
                     cap: int = 2048, num_warps: int = 4, _paths: Tensor | None = None) -> Tensor:
-    """``sampler.compute_probs(logits, batch)`` in two launches, without sorting the vocabulary: [R, V]
+    """``sampler.compute_probs(logits, batch)`` in two launches (ten with top-p rows: the radix select),
+    without sorting the vocabulary: [R, V]
     fp32, the distribution each of the R rows is sampled from (penalties, temperature, min-p, top-k,
     top-p found as one threshold as in the module docstring; greedy rows one-hot of the penalised
     argmax). ``probs_out``: a contiguous [R, V] fp32 tensor to write into (a CUDA graph's buffer).
@@ -813,9 +815,10 @@ def processed_probs(logits: Tensor, batch: SamplingBatch, *, probs_out: Tensor |
 
 def sample_rows(logits: Tensor, batch: SamplingBatch, stream: int, *, block_v: int = 256, cap: int = 2048,
                 num_warps: int = 4) -> Tensor:
-    """``Sampler()(logits, batch, stream)`` in two launches, without sorting the vocabulary: [R] int64,
-    greedy rows the penalised argmax, the others Gumbel-max over the processed logits keyed by
-    (seed, position, stream) — the same draw, token for token, but for the module docstring's ties."""
+    """``Sampler()(logits, batch, stream)`` in two launches (ten with top-p rows), without sorting the
+    vocabulary: [R] int64, greedy rows the penalised argmax, the others Gumbel-max over the processed
+    logits keyed by (seed, position, stream) — the same draw, token for token, but for the module
+    docstring's ties."""
     return _process_rows(logits, batch, stream, None, block_v, cap, num_warps, None)[0]
 
 

@@ -324,7 +324,7 @@ class Sampler:
 
     ``fused``: on a GPU, rows with top-k / top-p go through the fused Triton sampler
     (dspark.kernels.markov_sampler.sample_rows / processed_probs: the cut found as one threshold, no sort
-    of the vocabulary, two launches) instead of the PyTorch ops below; the same draw but for exact ties
+    of the vocabulary, two launches and a radix select for top-p) instead of the PyTorch ops below; the same draw but for exact ties
     at the top-p cut and the rounding of the sums behind a top-p decision (that module's docstring).
     """
 

@@ -282,3 +282,17 @@ def test_sample_rows_matches_sampler() -> None:
     for stream in (STREAM_SAMPLE, STREAM_ACCEPT):
         assert torch.equal(sample_rows(logits, batch, stream, block_v=128, cap=64), Sampler()(logits, batch, stream))
 
+
+
+def test_processed_probs_top_k_only_batch() -> None:
+    """A batch without top-p skips the radix launches; the rows' top-k / min-p cuts as the reference's."""
+    from dspark.kernels.markov_sampler import processed_probs
+    from dspark.sample.sampler import compute_probs
+
+    params = [P(temperature=0.7, top_k=5), P(temperature=0.0), P(temperature=1.1, top_k=40, min_p=0.02)]
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, 1003, generator=g) * 3.0
+    batch = _batch(params, torch.zeros(3, dtype=torch.int64), 1003)
+    assert batch.no_top_p
+    torch.testing.assert_close(processed_probs(logits, batch, block_v=128, cap=64), compute_probs(logits, batch),
+                               rtol=0, atol=1e-6)
