@@ -32,8 +32,8 @@ Padding requests (b ≥ the real batch) decode q rows at positions 0..q−1 of t
 Every padding row writes its K/V to slot 0 of the dummy block (kv_cache.py: never live), so nothing
 live is ever touched; its outputs are never read.
 
-Prefill rows (DSpark graphs only): a step that mixes prefill chunks with verification rows (every
-admission in continuous batching) replays the verification graph too, each chunk of L tokens cut into
+Prefill rows: a step that mixes prefill chunks with verification rows (every admission in continuous
+batching) replays the verification graph too, each chunk of L tokens cut into
 ceil(L / q) rows of q tokens (the last one partial, padded as above), each row a pseudo-request with the
 chunk's block table, positions start + q·k .. and seq_len start + q·(k + 1). That is exact chunked
 prefill: every layer writes all rows' K/V before its attention reads the paged cache, so row k of a chunk
@@ -44,6 +44,12 @@ other prefill rows draft too (reads only) and are never read. Batch sizes are ca
 + ceil(graph_prefill_tokens / q) rows; a step whose rows do not fit falls back to the split (graph
 verification + eager prefill). Why (H200, session 16): an eager prefill sub-step cost ~18 ms (hundreds of
 launches from Python), against ~2 ms for a graph step, and continuous batching at B=32 made ~70 of them.
+Without speculation (q = 1) the plain decode graph takes prefill rows the same way, one prompt token per
+row (ModelRunner.launch: the last row of a chunk that ends its prompt is the request's decode row; the
+sampling graph draws it on the eager path's key, (seed, num_tokens)), for requests the sampling graphs
+serve (no top-k, penalties or logprobs); batch sizes go up to max_num_seqs + graph_prefill_tokens. Why
+(H200, session 23, `dspark serve` at 32 streams, natural EOS): every admission was an eager mixed step of
+~18–20 ms that held up every stream, and admissions came one at a time.
 
 Context buckets (seed 000): the paged-attention kernels read each request's seq_len at run time, so
 a graph's loop bounds already follow the real context; what capture fixes is the split of the key
@@ -131,8 +137,10 @@ class StepGraphs:
         prop = runner.proposer
         self.draft_graphs = isinstance(prop, DSparkProposer) and prop.use_triton and self.n_spec > 0
         # Prefill rows (module docstring): room for graph_prefill_tokens prompt tokens as q-token rows
-        # besides max_num_seqs requests' verification rows.
-        self.prefill_rows = -(-cfg.graph_prefill_tokens // q) if self.draft_graphs and q > 1 else 0
+        # besides max_num_seqs requests' verification rows (DSpark), or as one-token rows besides their
+        # decode rows (no proposer: the plain decode graphs, q = 1).
+        plain = prop is None and q == 1
+        self.prefill_rows = -(-cfg.graph_prefill_tokens // q) if (self.draft_graphs and q > 1) or plain else 0
         self.batch_sizes = batch_sizes or graph_batch_sizes(cfg.max_num_seqs + self.prefill_rows)
         max_len = cfg.max_model_len + q  # a padded request's seq_len reaches max_model_len + q - 1
         self.buckets = buckets or context_buckets(max_len)
@@ -208,10 +216,10 @@ class StepGraphs:
         self.verify: dict[tuple[int, int], _Captured] = {}
         self.sample: dict[tuple[int, bool], _Captured] = {}
         self.pool = None
-        # replays; steps on the runner's one-sync path; steps launched before the previous one was read back
         # steps replayed; one-sync steps; steps launched on top of another (async), of which with
-        # prompts admitted as prefill rows (async_admit)
-        self.stats = {"target": 0, "draft": 0, "verify": 0, "sample": 0, "one_sync": 0, "async": 0, "async_admit": 0}
+        # prompts admitted as prefill rows (async_admit); steps with prefill rows (prefill_rows)
+        self.stats = {"target": 0, "draft": 0, "verify": 0, "sample": 0, "one_sync": 0, "async": 0, "async_admit": 0,
+                      "prefill_rows": 0}
 
     def _use_set(self, k: int) -> None:
         self._set = k
@@ -395,8 +403,8 @@ class StepGraphs:
         return [1 if self._decode_row(s) else -(-s.num_tokens // q) for s in scheduled]
 
     def covers_prefill(self, scheduled) -> bool:
-        """Whether this step, which has prefill chunks, fits the graphs as prefill rows: DSpark graphs
-        with room for them, no drafts outside full decode rows, and every row within the largest graph."""
+        """Whether this step, which has prefill chunks, fits the graphs as prefill rows: graphs with room
+        for them, no drafts outside full decode rows, and every row within the largest graph."""
         if not self.prefill_rows or not scheduled or self.covers(scheduled):
             return False
         if any(not self._decode_row(s) and s.num_spec_tokens for s in scheduled):

@@ -219,8 +219,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> StepResult:
         scheduled = sched.scheduled
-        if self._graph_prefill(scheduled):  # prefill chunks as q-token rows of a one-sync graph step
-            return self.finish_one_sync(self.launch_one_sync(sched, kv, None))
+        if self._graph_prefill(scheduled):  # prefill chunks as rows of a graph step (DSpark: one-sync)
+            if self.graphs.draft_graphs:
+                return self.finish_one_sync(self.launch_one_sync(sched, kv, None))
+            return self.finish(self.launch(sched, kv, None))
         if self._split(scheduled):  # mixed prefill + decode/verification rows the graphs cannot take
             # Requests are independent (own KV blocks, per-request seeds and drafter context), so the two
             # halves give the tokens the whole step would, in the graphs' time for the many decode rows.
@@ -568,34 +570,46 @@ class ModelRunner:
         host does not know yet) or logprobs, and without top-k: the sampler serves top-k rows from
         their candidates after a host check of ties, which the async path would have to replace by
         the whole-vocabulary draw (a sort of [B, V] with top-p) every step)."""
-        V = self.vocab_size
         return (self.config.async_scheduling and self.graphs is not None and self.proposer is None
-                and 0 < len(requests) <= self.graphs.max_batch
-                and all(r.params.logprobs is None and not r.params.penalized
-                        and (r.params.greedy or sampling_row(r.params, V)[1] >= V) for r in requests))
+                and 0 < len(requests) <= self.graphs.max_batch and all(self._plain_graph_row(r) for r in requests))
+
+    def _plain_graph_row(self, r: Request) -> bool:
+        """Whether ``launch`` can emit this request's token (the argmax, or the sampling graph's draw):
+        no logprobs, no penalties, no top-k (can_launch_async)."""
+        p, V = r.params, self.vocab_size
+        return p.logprobs is None and not p.penalized and (p.greedy or sampling_row(p, V)[1] >= V)
 
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput, kv: KVCacheManager, prev: InflightStep | None) -> InflightStep:
         """Queue a decode step (one row per request) on the device and return without waiting for it.
         ``prev``: the step still in flight whose emitted tokens are this step's inputs, batch row for
         batch row (the engine launches a step on top of another only for the very same requests, each
-        holding one pending placeholder); they are copied on the device, never through the host."""
+        holding one pending placeholder); they are copied on the device, never through the host.
+
+        Without ``prev``, prefill chunks may ride along as prefill rows (_graph_prefill; cuda_graphs.py):
+        a chunk of L tokens takes L rows, and its last row emits the request's first token when the chunk
+        ends its prompt (a chunk short of its prompt's end emits nothing)."""
         t0 = time.perf_counter()
         G = self.graphs
         scheduled = sched.scheduled
-        B = len(scheduled)
-        host = G.flip()[:B]
         ids, starts, tables = [], [], []
         for s in scheduled:
             r = s.request
-            assert s.num_tokens == 1 and not s.num_spec_tokens, "launch runs decode rows only"
-            ids.append(r.token_ids[r.num_computed_tokens])
-            starts.append(r.num_computed_tokens)
+            a = r.num_computed_tokens
+            assert not s.num_spec_tokens, "launch runs decode and prefill rows only"
+            ids.extend(r.token_ids[a:a + s.num_tokens])
+            starts.append(a)
             tables.append(kv.block_ids(r.request_id))
+        counts = G.row_counts(scheduled)
+        R = sum(counts)  # graph rows in use
+        prefill = R > len(scheduled) or not all(s.samples for s in scheduled)
+        row_of = (np.cumsum(counts) - 1).tolist()  # request b's row whose token it emits
         if prev is None:
             assert min(ids) >= 0, "a pending input token needs the step that emits it"
         else:
-            assert len(prev.scheduled) == B and all(a.request is b.request for a, b in zip(prev.scheduled, scheduled))
+            assert not prefill and len(prev.scheduled) == R, "a step launched on top of another decodes only"
+            assert all(a.request is b.request for a, b in zip(prev.scheduled, scheduled))
+        host = G.flip()[:R]
         reqs = [s.request for s in scheduled]
         V = self.vocab_size
         greedy = all(r.params.greedy for r in reqs)
@@ -605,25 +619,30 @@ class ModelRunner:
         # small batch (H200, session 22: plain T = 1 1.24x faster at B = 8, 1.41x at B = 32 with the graph).
         assert all(sampling_row(r.params, V)[1] >= V for r in reqs), "launch takes no top-k rows (can_launch_async)"
         Bg, bucket = G.prepare_target(scheduled, ids, starts, tables, None if greedy else [r.num_tokens for r in reqs])
-        if not greedy:
-            G.prepare_sampling(Bg, list(range(B)), [r.params for r in reqs], [as_int64(r.seed) for r in reqs],
-                               [False] * B)
+        if not greedy:  # the emitting rows' settings; other rows (a prefill chunk's) take the argmax, unread
+            emit = [b for b, s in enumerate(scheduled) if s.samples]
+            G.prepare_sampling(Bg, [row_of[b] for b in emit], [reqs[b].params for b in emit],
+                               [as_int64(reqs[b].seed) for b in emit], [False] * len(emit))
         G.upload(Bg, drafter=not greedy)
         if prev is not None:  # after the upload in stream order: overwrites the placeholders
-            G.input_ids[:B].copy_(prev.tokens)
+            G.input_ids[:R].copy_(prev.tokens)
         timing = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if self.device.type == "cuda" else None
         if timing:
             timing[0].record()
-        logits = G.replay_target(Bg, bucket)[:B, 0]  # [B, V]
+        logits = G.replay_target(Bg, bucket)[:R, 0]  # [R, V]
         if greedy:
-            tokens = logits.argmax(dim=-1)  # [B]
+            tokens = logits.argmax(dim=-1)  # [R]
         else:
-            tokens = G.replay_sample(Bg, not all(unfiltered(r.params, V) for r in reqs))[:B]
+            tokens = G.replay_sample(Bg, not all(unfiltered(r.params, V) for r in reqs))[:R]
         if timing:
             timing[1].record()
         done = self._copy_back(host, tokens)
-        G.stats["async"] += 1
-        return InflightStep(list(scheduled), tokens, host, done, timing, t0)
+        if prefill:
+            G.stats["prefill_rows"] += 1
+        else:
+            G.stats["async"] += 1
+        return InflightStep(list(scheduled), tokens, host, done, timing, t0, rows=row_of if prefill else None,
+                            num_rows=R)
 
     def finish(self, step: InflightStep) -> StepResult:
         """Wait for a launched step (only for it: a step queued after it keeps running) and return its
@@ -631,7 +650,8 @@ class ModelRunner:
         if step.done is not None:
             step.done.synchronize()
         toks = step.host.tolist()
-        result = StepResult({s.request.request_id: [t] for s, t in zip(step.scheduled, toks)})
+        rows = step.rows or range(len(step.scheduled))
+        result = StepResult({s.request.request_id: [toks[b]] for s, b in zip(step.scheduled, rows) if s.samples})
         if step.timing:
             result.verify_time_s = step.timing[0].elapsed_time(step.timing[1]) / 1e3
         else:
@@ -753,14 +773,17 @@ class ModelRunner:
         return 0 < len(covered) < len(scheduled) and self.graphs.covers(covered)
 
     def _graph_prefill(self, scheduled) -> bool:
-        """Whether a step with prefill chunks runs as one one-sync graph step, each chunk as q-token rows
-        (StepGraphs.covers_prefill): DSpark graphs, every request one-sync (_one_sync_params; a sampled
-        decode row verifies drafts) and the rows fit. Measured on the H200 (session 16, `dspark bench` B=32
-        continuous cell, greedy): 69 admission steps ran as a graph sub-step + an eager prefill sub-step
-        at 20.5 ms each, 1.41 s of the cell's 2.41 s."""
+        """Whether a step with prefill chunks runs as one graph step, each chunk as q-token rows
+        (StepGraphs.covers_prefill) and the rows fit: with DSpark a one-sync step, every request one-sync
+        (_one_sync_params; a sampled decode row verifies drafts); without, a ``launch`` of the decode graph
+        (one row per prompt token), every request one whose token it can emit (_plain_graph_row). Measured
+        on the H200 (session 16, `dspark bench` B=32 continuous cell, greedy DSpark): 69 admission steps ran
+        as a graph sub-step + an eager prefill sub-step at 20.5 ms each, 1.41 s of the cell's 2.41 s."""
         G = self.graphs
-        if G is None or not G.draft_graphs or not G.covers_prefill(scheduled):
+        if G is None or not G.covers_prefill(scheduled):
             return False
+        if not G.draft_graphs:  # plain decode graphs (launch): rows whose token launch can emit
+            return all(self._plain_graph_row(s.request) for s in scheduled)
         return all(_one_sync_params(s.request.params)
                    and (s.request.params.greedy or s.num_spec_tokens > 0 or not G._decode_row(s)) for s in scheduled)
 

@@ -99,3 +99,57 @@ def test_prefill_rows_only_where_they_fit(spec_pair, prompts):
     assert not G.covers_prefill([ScheduledRequest(reqs[2], 26, 0)] * 2)  # 2 x 6 rows > 8
     G.prefill_rows = 0
     assert not G.covers_prefill([short])
+
+
+# ---------------------------------------------------------------- without speculation (q = 1)
+PLAIN_PARAMS = [
+    SamplingParams(temperature=0.7, top_p=0.9, seed=5, max_tokens=9, ignore_eos=True),
+    GREEDY,
+    SamplingParams(temperature=0.8, min_p=0.05, seed=9, max_tokens=8, ignore_eos=True),
+    SamplingParams(temperature=1.0, seed=1, max_tokens=7, ignore_eos=True),
+    GREEDY,
+]
+
+
+def _run_plain(target, reqs, graph: bool, async_: bool = True, **kw):
+    """Plain decoding through the fixed-shape decode graphs; ``graph``: prompts admitted as one-token
+    prefill rows of the decode graph (else every step with a prefill chunk runs eagerly). Returns
+    (summary, steps with prefill rows)."""
+    llm = LLM(str(target), device="cpu", block_size=4, attention_backend="triton", max_num_seqs=4,
+              async_scheduling=async_, graph_prefill_tokens=512 if graph else 0, **{"num_kv_blocks": 128, **kw})
+    runner = llm.engine.runner
+    runner.enable_graphs(capture=False, batch_sizes=[2, 4, 8, 16, 32], buckets=[64, 128])
+    llm.engine.scheduler.max_num_seqs = 2  # admissions mid-stream
+    got, _, _ = _drive(llm, reqs)
+    llm.engine.kv.check_integrity()
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_usable_blocks  # no block leaked
+    return _summary(got), runner.graphs.stats["prefill_rows"]
+
+
+@pytest.mark.parametrize("kw", [{}, {"max_num_batched_tokens": 12}], ids=["whole", "chunked"])
+def test_plain_prefill_rows_match_eager(spec_pair, prompts, kw):
+    """Without speculation, admissions beside decoding requests run as one-token prefill rows of the
+    decode graph (ModelRunner.launch): greedy and seeded-sampled requests (temperature, top-p, min-p)
+    get the tokens of the eager mixed steps, with and without async scheduling; a prompt repeats (a
+    prefix-cache hit: its chunk starts mid-prompt), chunked prefill's short chunks emit nothing."""
+    t, _ = spec_pair
+    reqs = list(zip(prompts + prompts[:2], PLAIN_PARAMS))
+    want, n0 = _run_plain(t, reqs, graph=False, **kw)
+    got, n = _run_plain(t, reqs, graph=True, **kw)
+    assert got == want and n0 == 0 and n >= 2
+    if not kw:
+        got_sync, n_sync = _run_plain(t, reqs, graph=True, async_=False)
+        assert got_sync == want and n_sync >= 2
+
+
+def test_plain_prefill_rows_only_for_graph_rows(spec_pair, prompts):
+    """A request whose token the decode graph cannot emit (top-k, penalties, logprobs) keeps the step
+    eager; the tokens do not change."""
+    t, _ = spec_pair
+    odd = [SamplingParams(temperature=0.6, top_k=7, seed=2, max_tokens=6, ignore_eos=True),
+           SamplingParams(temperature=0, repetition_penalty=1.3, max_tokens=6, ignore_eos=True),
+           SamplingParams(temperature=0, logprobs=2, max_tokens=6, ignore_eos=True)]
+    reqs = [(prompts[0], GREEDY)] + [(p, sp) for p, sp in zip(prompts, odd)]
+    want, _ = _run_plain(t, reqs, graph=False)
+    got, n = _run_plain(t, reqs, graph=True)
+    assert got == want and n == 0
