@@ -73,7 +73,7 @@ class LLM:
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), disable=not use_tqdm, desc="generate")
         while len(results) < len(ids):
-            for out in self.engine.step():
+            for out in self.engine.step(final_only=True):
                 if out.finished:
                     results[out.request_id] = out
                     bar.update(1)

@@ -137,9 +137,9 @@ class DsparkSystem:
         self.steps = 0
         inner = llm.engine.step
 
-        def counted_step():
+        def counted_step(**kw):
             self.steps += 1
-            return inner()
+            return inner(**kw)
 
         llm.engine.step = counted_step
 

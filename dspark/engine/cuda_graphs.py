@@ -72,6 +72,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, fields, replace
+from itertools import chain
 
 import numpy as np
 import torch
@@ -399,8 +400,14 @@ class StepGraphs:
     def row_counts(self, scheduled) -> list[int]:
         """Graph rows of each request: 1 for a decode / verification row, ceil(num_tokens / q) for a
         prefill chunk (prefill rows, module docstring)."""
+        return self.row_layout(scheduled)[0]
+
+    def row_layout(self, scheduled) -> tuple[list[int], list[bool]]:
+        """(row_counts, which requests are prefill chunks), each request looked at once: the runner passes
+        it on to prepare_target (a step of 128 requests looked at them three times: ~0.3 ms of host)."""
         q = self.q
-        return [1 if self._decode_row(s) else -(-s.num_tokens // q) for s in scheduled]
+        pre = [not self._decode_row(s) for s in scheduled]
+        return [-(-s.num_tokens // q) if p else 1 for s, p in zip(scheduled, pre)], pre
 
     def covers_prefill(self, scheduled) -> bool:
         """Whether this step, which has prefill chunks, fits the graphs as prefill rows: graphs with room
@@ -444,18 +451,18 @@ class StepGraphs:
 
     # ------------------------------------------------------------------ the pieces of a step
     def prepare_target(self, scheduled, ids: list[int], starts: list[int], tables: list[list[int]],
-                       num_tokens: list[int] | None = None) -> tuple[int, int]:
+                       num_tokens: list[int] | None = None, layout: tuple | None = None) -> tuple[int, int]:
         """Write the target step's inputs into the pinned host buffers; returns (padded batch, bucket).
-        ``num_tokens`` (each request's tokens before the step) is needed by ``drafter_inputs_on_device``."""
+        ``num_tokens`` (each request's tokens before the step) is needed by ``drafter_inputs_on_device``;
+        ``layout``: row_layout(scheduled), when the caller has it."""
         q, bs, Tm, Bm = self.q, self.block_size, self.max_rows, self.max_batch
         B = len(scheduled)
         n = np.fromiter((s.num_tokens for s in scheduled), np.int64, B)
         st = np.asarray(starts, dtype=np.int64)
         prefill = None
-        is_prefill = [not self._decode_row(s) for s in scheduled]
+        counts, is_prefill = layout or self.row_layout(scheduled)
         if any(is_prefill):
             # prefill rows: request b's chunk becomes counts[b] rows of q tokens (the last one partial)
-            counts = self.row_counts(scheduled)
             rep = np.repeat(np.arange(B), counts)
             k = np.arange(len(rep)) - np.repeat(np.cumsum(counts) - counts, counts)  # row index within its request
             prefill = np.repeat(is_prefill, counts)
@@ -476,12 +483,15 @@ class StepGraphs:
         pos = h[Tm:Tm + Bg * q].reshape(Bg, q)
         pos[:B] = st[:, None] + j[None, :]  # padding rows follow the real ones
         pos[B:] = j[None, :]
-        width = min(self.width, max(-(-(int(st.max()) + q) // bs), max(len(t) for t in tables)))
+        lens = np.fromiter(map(len, tables), np.int64, len(tables))
+        width = min(self.width, max(-(-(int(st.max()) + q) // bs), int(lens.max())))
         tbl = self._ht
         tbl[:Bg, :width] = 0
-        for b, t in enumerate(tables):
-            t = t[:width]
-            tbl[b, :len(t)] = t
+        # every table's first `width` entries in one masked assignment (row-major order = the tables' order);
+        # a loop of per-row slice assignments cost ~0.25 ms at 128 requests (session 25)
+        lens = np.minimum(lens, width)
+        flat = np.fromiter(chain.from_iterable(t[:width] for t in tables), np.int64, int(lens.sum()))
+        tbl[:len(tables), :width][np.arange(width)[None, :] < lens[:, None]] = flat
         blk = np.take_along_axis(tbl[:Bg], np.minimum(pos // bs, width - 1), 1)
         h[2 * Tm:2 * Tm + Bg * q] = np.where(real, blk * bs + pos % bs, 0).reshape(-1)  # padding: dummy slot 0
         self._hs[:B] = st + q

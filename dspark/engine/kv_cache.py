@@ -120,10 +120,12 @@ class KVCacheManager:
         ``cached_blocks`` are prefix hits from ``find_cached_prefix`` (first admission only); the
         lookahead reserves slots for draft tokens. Returns False, changing nothing, if the pool
         cannot supply the blocks."""
-        cached_blocks = cached_blocks or []
         rb = self.reqs.get(request.request_id)
         held = len(rb.block_ids) if rb else 0
         need = self.blocks_needed(request.num_computed_tokens + num_new_tokens + num_lookahead_tokens)
+        if rb is not None and need <= held and not cached_blocks:  # the usual decode step: its blocks are there
+            return True
+        cached_blocks = cached_blocks or []
         num_fresh = need - held - len(cached_blocks)
         # Hits that sit in the free queue stop being free when touched.
         num_free_hits = sum(1 for b in cached_blocks if self.blocks[b].ref_count == 0)

@@ -88,6 +88,7 @@ class Request:
         # Filled by the engine's detokenizer.
         self.output_text = ""
         self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
+        self.plain_graph_row: bool | None = None  # ModelRunner._plain_graph_row's answer, once asked
 
     @property
     def num_prompt_tokens(self) -> int:

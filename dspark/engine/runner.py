@@ -386,11 +386,12 @@ class ModelRunner:
         assert (prev is None) == (not prev_rows), "on-top requests need the step they follow"
         # Prefill rows (cuda_graphs.py): a prefill chunk takes ceil(num_tokens / q) graph rows; row_of[b] is
         # the last one, the row that emits the request's first token when the chunk ends its prompt.
-        counts = G.row_counts(scheduled)
+        layout = G.row_layout(scheduled)
+        counts = layout[0]
         row_of = (np.cumsum(counts) - 1).tolist()
         R = row_of[-1] + 1  # graph rows in use
-        prefill = [b for b, s in enumerate(scheduled) if not G._decode_row(s)]
-        Bg, bucket = G.prepare_target(scheduled, ids, starts, tables, ntok)
+        prefill = [b for b, p in enumerate(layout[1]) if p]
+        Bg, bucket = G.prepare_target(scheduled, ids, starts, tables, ntok, layout)
         drafting = [b for b, s in enumerate(scheduled) if s.samples]
         prob = [self.spec is not None and self.spec.draft_sample_method == "probabilistic" and not r.params.greedy
                 for r in reqs]
@@ -576,8 +577,11 @@ class ModelRunner:
     def _plain_graph_row(self, r: Request) -> bool:
         """Whether ``launch`` can emit this request's token (the argmax, or the sampling graph's draw):
         no logprobs, no penalties, no top-k (can_launch_async)."""
-        p, V = r.params, self.vocab_size
-        return p.logprobs is None and not p.penalized and (p.greedy or sampling_row(p, V)[1] >= V)
+        ok = r.plain_graph_row
+        if ok is None:  # the params never change: decided once per request (asked twice per step)
+            p, V = r.params, self.vocab_size
+            ok = r.plain_graph_row = p.logprobs is None and not p.penalized and (p.greedy or sampling_row(p, V)[1] >= V)
+        return ok
 
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput, kv: KVCacheManager, prev: InflightStep | None) -> InflightStep:
@@ -600,9 +604,10 @@ class ModelRunner:
             ids.extend(r.token_ids[a:a + s.num_tokens])
             starts.append(a)
             tables.append(kv.block_ids(r.request_id))
-        counts = G.row_counts(scheduled)
+        layout = G.row_layout(scheduled)
+        counts = layout[0]
         R = sum(counts)  # graph rows in use
-        prefill = R > len(scheduled) or not all(s.samples for s in scheduled)
+        prefill = any(layout[1])
         row_of = (np.cumsum(counts) - 1).tolist()  # request b's row whose token it emits
         if prev is None:
             assert min(ids) >= 0, "a pending input token needs the step that emits it"
@@ -617,8 +622,8 @@ class ModelRunner:
         # rows out), whose key positions are num_tokens (the token sampled sits there, pending placeholders
         # included). Why: the Sampler's ~15 ops and two pinned copies made sampled decode host-bound at
         # small batch (H200, session 22: plain T = 1 1.24x faster at B = 8, 1.41x at B = 32 with the graph).
-        assert all(sampling_row(r.params, V)[1] >= V for r in reqs), "launch takes no top-k rows (can_launch_async)"
-        Bg, bucket = G.prepare_target(scheduled, ids, starts, tables, None if greedy else [r.num_tokens for r in reqs])
+        Bg, bucket = G.prepare_target(scheduled, ids, starts, tables, None if greedy else [r.num_tokens for r in reqs],
+                                      layout)
         if not greedy:  # the emitting rows' settings; other rows (a prefill chunk's) take the argmax, unread
             emit = [b for b, s in enumerate(scheduled) if s.samples]
             G.prepare_sampling(Bg, [row_of[b] for b in emit], [reqs[b].params for b in emit],

@@ -116,3 +116,38 @@ def test_streamed_deltas_never_show_part_of_a_stop_string(smollm_llm):
                 final = o if o.finished else final
                 assert stop not in streamed and streamed == o.text
     assert final.finish_reason == "stop" and streamed == final.text == full[: full.index(stop)]
+
+
+def test_final_only_steps_report_finished_requests_whole(smollm_llm):
+    """step(final_only=True) (what LLM.generate runs): only requests that ended are reported, each once,
+    with the text, token ids and logprobs a streaming consumer ends with; its delta fields hold the
+    whole output (nothing was reported before)."""
+    engine = smollm_llm.engine
+    prompts = [chat_ids(smollm_llm, p) for p in ("Name three colours.", "Count from one to ten.")]
+    params = [SamplingParams(temperature=0, max_tokens=12, logprobs=1),
+              SamplingParams(temperature=0, max_tokens=20, stop=["five"])]
+
+    def run(final_only: bool) -> tuple[dict, int]:
+        rids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        got, reports = {}, 0
+        while engine.has_unfinished():
+            for o in engine.step(final_only=final_only):
+                reports += 1
+                assert o.finished or not final_only
+                if o.finished:
+                    got[rids.index(o.request_id)] = o
+        assert not engine.requests  # every request reported and forgotten
+        return got, reports
+
+    streamed, n_streamed = run(False)
+    final, n_final = run(True)
+    assert n_final == 2 < n_streamed
+    for i in (0, 1):
+        a, b = streamed[i], final[i]
+        assert (b.text, b.token_ids, b.finish_reason, b.stop_reason) == (a.text, a.token_ids, a.finish_reason,
+                                                                         a.stop_reason)
+        assert b.delta_token_ids == b.token_ids and b.delta_text == b.text
+    # the logprobs of the 12 tokens (the second run's prompts hit the prefix cache: rounding may differ)
+    la, lb = streamed[0].logprobs, final[0].logprobs
+    assert len(lb) == len(la) == 12 and [x["token"] for x in lb] == [x["token"] for x in la]
+    assert all(abs(x["logprob"] - y["logprob"]) < 1e-4 for x, y in zip(la, lb))
