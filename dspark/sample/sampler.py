@@ -334,13 +334,12 @@ class Sampler:
     def _use_fused(self, logits: Tensor, batch: SamplingBatch) -> bool:
         return self.fused and logits.is_cuda and not batch.all_greedy and not (batch.no_top_k and batch.no_top_p)
 
-    def probs(self, logits: Tensor, batch: SamplingBatch, out: Tensor | None = None) -> Tensor:
-        """``compute_probs(logits, batch)`` ([B, V] f32), fused where ``fused`` says; ``out``: a contiguous
-        [B, V] f32 buffer the fused path writes into (the PyTorch path returns a new tensor)."""
+    def probs(self, logits: Tensor, batch: SamplingBatch) -> Tensor:
+        """``compute_probs(logits, batch)`` ([B, V] f32), fused where ``fused`` says."""
         if self._use_fused(logits, batch):
             from dspark.kernels.markov_sampler import processed_probs
 
-            return processed_probs(logits, batch, probs_out=out)
+            return processed_probs(logits, batch)
         return compute_probs(logits, batch)
 
     def __call__(self, logits: Tensor, batch: SamplingBatch, stream: int = STREAM_SAMPLE,
