@@ -47,9 +47,10 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
                    help="wait for each step's tokens before scheduling the next one (by default, with CUDA graphs "
                         "(plain decoding; greedy DSpark), step t+1 is launched before step t's tokens are read back)")
     p.add_argument("--graph-prefill-tokens", type=int, default=512,
-                   help="with DSpark and CUDA graphs: prompt tokens one verification graph step can carry as prefill "
-                        "rows besides the batch's verification rows (an admission then costs one graph step instead "
-                        "of an eager prefill); 0: prefill chunks always run eagerly (default: 512)")
+                   help="with CUDA graphs: prompt tokens one graph step can carry as prefill rows besides the "
+                        "batch's decode / verification rows (an admission then costs one graph step instead of an "
+                        "eager prefill; without DSpark each prompt token is a row of the decode graph); 0: prefill "
+                        "chunks always run eagerly (default: 512)")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the throwaway requests run at start-up on CUDA (they compile the eager paths' Triton "
                         "kernels before the first real request)")

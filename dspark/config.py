@@ -101,9 +101,9 @@ class EngineConfig:
     # True: with CUDA graphs (plain decoding; greedy DSpark), the next step is launched before the current
     # one's tokens are read back, so the host's bookkeeping overlaps the GPU (engine/llm_engine.py).
     async_scheduling: bool = True
-    # DSpark with CUDA graphs: prompt tokens a verification graph step can carry besides max_num_seqs
-    # requests' verification rows (prefill chunks as q-token pseudo-rows, cuda_graphs.py "Prefill rows");
-    # 0: every step with a prefill chunk runs its prefill eagerly.
+    # With CUDA graphs: prompt tokens a graph step can carry besides max_num_seqs requests' decode /
+    # verification rows (prefill chunks as q-token pseudo-rows, q = 1 without DSpark; cuda_graphs.py
+    # "Prefill rows"); 0: every step with a prefill chunk runs its prefill eagerly.
     graph_prefill_tokens: int = 512
     # Throwaway requests at start-up (LLMEngine.warm_up), so the first real ones do not pay for Triton
     # compiles of the eager paths; None: on CUDA only (on a CPU there is nothing to compile).
