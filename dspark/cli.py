@@ -127,7 +127,9 @@ def format_spec_stats(engine) -> str:
     return (f"[dspark] DSpark: tau {st.tau:.2f} tokens/step over {st.num_steps} steps, "
             f"{st.num_accepted}/{st.num_drafts} drafts accepted; conditional acceptance by position: {cond}; "
             f"draft {st.draft_time_s * 1000 / st.num_steps:.1f} ms/step, "
-            f"verify {st.verify_time_s * 1000 / st.num_steps:.1f} ms/step")
+            f"verify {st.verify_time_s * 1000 / st.num_steps:.1f} ms/step"
+            + (f"; steps by drafts verified (adaptive): {dict(sorted(st.length_steps.items()))}"
+               if len(st.length_steps) > 1 else ""))
 
 
 def cmd_init_drafter(a: argparse.Namespace) -> int:

@@ -169,6 +169,12 @@ class DsparkSystem:
                    st.num_steps - before[1], st.num_accepted - before[2])
 
 
+def _length_steps(system) -> dict[int, int]:
+    """A dspark system's verification steps so far by verify length (spec_stats.length_steps)."""
+    llm = getattr(system, "llm", None)
+    return dict(llm.engine.spec_stats.length_steps) if llm is not None else {}
+
+
 class HFSystem:
     top_p = 1.0
     stop_at_eos = False
@@ -544,12 +550,18 @@ def _run_bench_matrix(a: argparse.Namespace) -> int:
                     for _ in range(a.warmup):
                         run_cell(s, waves, t, max_tokens, continuous[name])
                 runs: dict[str, list[Run]] = {name: [] for name in systems}
+                before = {name: _length_steps(s) for name, s in systems.items()}
                 for _ in range(a.runs):
                     for name, s in systems.items():
                         runs[name].append(run_cell(s, waves, t, max_tokens, continuous[name]))
                 key = dict(prompt_set=ps, temperature=t)
                 new = [make_cell(n, labels[n], key, r, b, max_tokens, "continuous" if continuous[n] else "waves")
                        for n, r in runs.items()]
+                for c, (name, s) in zip(new, systems.items()):  # adaptive verification: steps per verify length
+                    steps = {n: k - before[name].get(n, 0) for n, k in _length_steps(s).items()}
+                    if len([k for k in steps.values() if k]) > 1:
+                        c["verify_length_steps"] = {str(n): k for n, k in sorted(steps.items()) if k}
+                        log(f"{ps} T={t:g} B={b}: {c['label']} steps by drafts verified {c['verify_length_steps']}")
                 cells.extend(new)
                 tokens = (lambda c: f" ({c['new_tokens']:g} tokens)") if a.stop_at_eos else (lambda c: "")
                 log(f"{ps} T={t:g} B={b}: " + ", ".join(f"{c['label']} {c['tok_s_total']:.1f} tok/s{tokens(c)}"

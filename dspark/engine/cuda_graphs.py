@@ -122,7 +122,9 @@ class StepGraphs:
     """The captured graphs of one ModelRunner and their fixed input buffers (see the module docstring)."""
 
     def __init__(self, runner, capture: bool = True, batch_sizes: list[int] | None = None,
-                 buckets: list[int] | None = None) -> None:
+                 buckets: list[int] | None = None, n_spec: int | None = None) -> None:
+        """``n_spec``: the drafts each request verifies (default the runner's num_spec_tokens); with
+        adaptive verification (spec/adaptive.py) the runner holds one StepGraphs per length."""
         from dspark.layers.triton_attention import TritonAttentionBackend, TritonAttentionMetadata
         from dspark.spec.proposer import DSparkProposer
 
@@ -133,7 +135,7 @@ class StepGraphs:
         self.capture = capture
         cfg = runner.config
         self.block_size = bs = cfg.block_size
-        self.n_spec = runner.num_spec_tokens
+        self.n_spec = runner.num_spec_tokens if n_spec is None else n_spec
         self.q = q = 1 + self.n_spec
         prop = runner.proposer
         self.draft_graphs = isinstance(prop, DSparkProposer) and prop.use_triton and self.n_spec > 0
@@ -374,6 +376,32 @@ class StepGraphs:
         logger.info("captured %d CUDA graphs in %.1f s, %.0f MiB: target (q=%d) at batch sizes %s x context "
                     "buckets %s%s", len(keys), time.perf_counter() - t0, used, self.q, self.batch_sizes,
                     self.buckets, rest)
+
+    def profile(self, max_batch: int, reps: int = 3) -> dict[tuple[int, bool], float]:
+        """Seconds per verification step (target + verification + drafter graphs, the smallest context
+        bucket) at each captured batch size up to ``max_batch``, greedy and sampled (the sampled
+        verification and the probabilistic drafter graph): the step-time table of adaptive verification
+        (spec/adaptive.py). Replays on the capture-time inputs (padding rows on the dummy block), so
+        nothing live is touched; call right after capture_all."""
+        assert self.capture and self.draft_graphs, "profiling needs captured DSpark graphs"
+        k = self.buckets[0]
+        out = {}
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for B in self.batch_sizes:
+            if B > max_batch and B != self.batch_sizes[0]:
+                break
+            for sampled in (False, True):
+                graphs = (self.target[(B, k)], self.verify[(B, VERIFY_SAMPLED if sampled else VERIFY_GREEDY)],
+                          self.draft[(B, k, sampled)])
+                for i in range(reps + 1):
+                    if i == 1:
+                        start.record()
+                    for c in graphs:
+                        c.graph.replay()
+                end.record()
+                end.synchronize()
+                out[(B, sampled)] = start.elapsed_time(end) / 1e3 / reps
+        return out
 
     def _reset_inputs(self) -> None:
         """Capture-time inputs: every request a padding request on the dummy block, every row greedy."""

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from dataclasses import dataclass, field, fields, replace
@@ -22,10 +23,12 @@ from dspark.engine.runner import ModelRunner
 from dspark.engine.scheduler import Scheduler
 from dspark.models.loader import load_model
 from dspark.sampling_params import InvalidRequestError, SamplingParams
+from dspark.spec.adaptive import AcceptanceEstimate, VerifyLengthPolicy
 from dspark.spec.config import SpeculativeConfig
 from dspark.spec.metrics import SpecStats
 from dspark.spec.proposer import DSparkProposerFactory
 
+logger = logging.getLogger(__name__)
 
 @dataclass
 class RequestOutput:
@@ -121,6 +124,15 @@ class LLMEngine:
         # back and runs synchronously (the path before session 20; benchmarks compare the two).
         self.admit_on_top = True
         self._counter = 0
+        # Adaptive verification (spec/adaptive.py): which of the verify lengths the next steps use; needs
+        # one set of CUDA graphs per length and their profiled step times (tests give a step_time)
+        self.verify_policy: VerifyLengthPolicy | None = None
+        self._next_length: int | None = None  # a change decided while a step was in flight
+        if self.runner.step_times is not None:
+            self.enable_adaptive_verification(self.runner.step_time)
+        elif len(self.runner.verify_lengths()) > 1:
+            logger.warning("verify_lengths %s need CUDA graphs (the triton backend on CUDA, no --enforce-eager): "
+                           "every step verifies %d drafts", spec.verify_lengths, self.runner.num_spec_tokens)
         self.warmup_s: float | None = None
         if cfg.warmup or (cfg.warmup is None and torch.device(dev).type == "cuda"):
             self.warmup_s = self.warm_up()
@@ -155,11 +167,46 @@ class LLMEngine:
         self._req_spec.clear()
         self.kv.reset_prefix_cache()
         self.kv.prefix_queries = self.kv.prefix_hits = 0
-        if self.runner.graphs is not None:
-            self.runner.graphs.stats = dict.fromkeys(self.runner.graphs.stats, 0)
+        for G in self.runner.graph_sets.values():
+            G.stats = dict.fromkeys(G.stats, 0)
+        if self.verify_policy is not None:  # the warm-up's acceptance says nothing of real requests
+            self.runner.use_verify_length(max(self.verify_policy.lengths))
+            self.enable_adaptive_verification(self.verify_policy.step_time)
         if torch.device(self.config.device).type == "cuda":
             torch.cuda.synchronize()
         return time.perf_counter() - t0
+
+    def enable_adaptive_verification(self, step_time, **policy_kw) -> None:
+        """Choose the drafts each step verifies among the runner's verify lengths (spec/adaptive.py):
+        ``step_time(num_drafts, batch, any_sampled)`` in seconds — the profiled graphs' on a GPU."""
+        lengths = self.runner.verify_lengths()
+        if len(lengths) < 2 or not self.runner.graph_sets:
+            raise ValueError("adaptive verification needs several verify_lengths and a graph set for each")
+        self.verify_policy = VerifyLengthPolicy(tuple(lengths), step_time, AcceptanceEstimate(max(lengths)),
+                                                **policy_kw)
+        self._next_length = None
+
+    def _choose_length(self) -> int:
+        """The verify length the policy wants for the running requests (greedy and sampled counted apart;
+        requests that cannot speculate, penalised ones, do not count)."""
+        from dspark.engine.runner import spec_eligible
+
+        running = [r for r in self.scheduler.running if spec_eligible(r)]
+        greedy = sum(r.params.greedy for r in running)
+        return self.verify_policy.choose(self.runner.num_spec_tokens, greedy, len(running) - greedy)
+
+    def _adapt_verify_length(self) -> None:
+        """Between steps (nothing in flight): move to the length the policy chose. Drafts a request holds
+        past the new length are dropped (never verified, so nothing depends on them); a request holding
+        fewer verifies those in the longer graphs, padded, and drafts a full block next."""
+        n = self._next_length if self._next_length is not None else self._choose_length()
+        self._next_length = None
+        if n == self.runner.num_spec_tokens:
+            return
+        self.runner.use_verify_length(n)
+        for r in self.scheduler.running:
+            del r.spec_token_ids[n:]
+        self.verify_policy.changed()
 
     # ---------------------------------------------------------------- requests
     def tokenize_chat(self, messages: list[dict[str, str]]) -> list[int]:
@@ -234,6 +281,8 @@ class LLMEngine:
         ``step()`` call, after that call has already launched the step after it (``_step_async``). The
         host's bookkeeping of step t (read-back, stop checks, detokenization, outputs, scheduling)
         thus overlaps the GPU's step t + 1, and outputs come one call later."""
+        if self.verify_policy is not None and self._inflight is None:
+            self._adapt_verify_length()
         G = self.runner.graphs  # prefill chunks beside decoders sized to the graph rows (Scheduler.schedule)
         self.scheduler.graph_rows = (G.q, G.max_batch) if G is not None and G.prefill_rows else None
         self._final_only = final_only
@@ -306,7 +355,11 @@ class LLMEngine:
         lo = max((s.request.num_computed_tokens + (1 if s.num_spec_tokens else s.num_tokens) for s in live), default=0)
         hi = max((s.request.num_computed_tokens + (q if s.num_spec_tokens else s.num_tokens + q - 1) for s in live),
                  default=0)
-        if live and self.runner.can_launch_spec([s.request for s in live]) and G.bucket_for(lo + q) == G.bucket_for(hi + q):
+        if self.verify_policy is not None:  # another verify length: drain the pipeline, change between steps
+            n = self._choose_length()
+            self._next_length = n if n != self.runner.num_spec_tokens else None
+        if (live and self._next_length is None and self.runner.can_launch_spec([s.request for s in live])
+                and G.bucket_for(lo + q) == G.bucket_for(hi + q)):
             nxt = self.scheduler.schedule_on_top(sched, q, lambda r, n: self.admit_on_top and self.runner.can_admit_on_top(r, n))
             if nxt is not None:
                 self._inflight = (nxt, self.runner.launch_one_sync(nxt, self.kv, step))
@@ -359,9 +412,17 @@ class LLMEngine:
     def _record_spec(self, result) -> None:
         self.spec_stats.draft_time_s += result.draft_time_s
         self.spec_stats.verify_time_s += result.verify_time_s
+        pol = self.verify_policy
         for rid, (n, a) in result.verified.items():
             self.spec_stats.record(n, a)
             self._req_spec.setdefault(rid, SpecStats()).record(n, a)
+            if pol is not None and rid in self.requests:
+                pol.estimate.observe(not self.requests[rid].params.greedy, n, a)
+        if result.verified:
+            n = self.runner.num_spec_tokens
+            self.spec_stats.length_steps[n] = self.spec_stats.length_steps.get(n, 0) + 1
+            if pol is not None:
+                pol.tick()
         for rid, drafts in result.drafts.items():
             req = self.requests[rid]
             if not req.is_finished:

@@ -176,6 +176,8 @@ class ModelRunner:
         # step eagerly, the reference path the tests compare it with.
         self.split_mixed_steps = True
         self.graphs = None  # StepGraphs: decode/verify and drafter steps as CUDA graphs
+        self.graph_sets: dict[int, object] = {}  # drafts verified -> its StepGraphs (adaptive verification)
+        self.step_times: dict[int, dict[tuple[int, bool], float]] | None = None  # StepGraphs.profile per length
         if self.device.type == "cuda" and config.resolved_attention_backend == "triton" and not config.enforce_eager:
             self.enable_graphs(capture=True)
 
@@ -183,24 +185,56 @@ class ModelRunner:
         """Run decode/verify steps (and DSpark drafter steps) through dspark/engine/cuda_graphs.py:
         captured now as CUDA graphs, or with ``capture=False`` the same fixed-shape steps eagerly
         (how the CPU tests check them). A proposer that is not a DSpark drafter on the Triton path
-        cannot be captured: then every step stays eager."""
+        cannot be captured: then every step stays eager. With adaptive verification
+        (``verify_lengths``) one set of graphs per length; ``graphs`` is the set in use."""
         from dspark.engine.cuda_graphs import StepGraphs
 
-        graphs = StepGraphs(self, capture=capture, **kw)
+        lengths = self.verify_lengths()
+        sets = {n: StepGraphs(self, capture=capture, n_spec=n, **kw) for n in lengths}
+        graphs = sets[self.num_spec_tokens]
         if self.proposer is not None and not graphs.draft_graphs:
             logger.warning("no CUDA graphs: the proposer %s has no graph path", type(self.proposer).__name__)
             return
         try:
-            graphs.capture_all()
+            for G in sets.values():
+                G.capture_all()
         except RuntimeError as e:  # out of memory, an op that cannot be captured: serve eagerly instead
             if not capture:
                 raise
             logger.warning("CUDA graph capture failed (%s: %s); running every step eagerly, as with "
                            "--enforce-eager (lower --max-num-seqs / --max-model-len to capture fewer graphs)",
                            type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            sets = graphs = None
             torch.cuda.empty_cache()
             return
-        self.graphs = graphs
+        self.graphs, self.graph_sets = graphs, sets
+        self.step_times = None
+        if capture and len(sets) > 1:
+            t0 = time.perf_counter()
+            self.step_times = {n: G.profile(self.config.max_num_seqs) for n, G in sets.items()}
+            logger.info("adaptive verification: step times of %s drafts profiled in %.1f s (ms at the smallest and "
+                        "largest batch, greedy: %s)", list(sets), time.perf_counter() - t0,
+                        {n: tuple(round(1e3 * t[(b, False)], 3) for b in (min(t)[0], max(t)[0])) for n, t in self.step_times.items()})
+
+    def verify_lengths(self) -> list[int]:
+        """The numbers of drafts a step may verify: num_speculative_tokens, and with adaptive verification
+        the config's verify_lengths too (spec/adaptive.py)."""
+        v = self.spec.verify_lengths if self.proposer is not None and self.spec is not None else None
+        return sorted(set(v or ()) | {self.num_spec_tokens})
+
+    def step_time(self, n: int, batch: int, sampled: bool) -> float:
+        """Profiled seconds per step verifying n drafts for ``batch`` requests (the smallest profiled
+        batch size that holds them, else the largest)."""
+        table = self.step_times[n]
+        sizes = sorted({b for b, _ in table})
+        b = next((x for x in sizes if x >= batch), sizes[-1])
+        return table[(b, sampled)]
+
+    def use_verify_length(self, n: int) -> None:
+        """Verify (and draft) n drafts per request from the next step on: the graph set for n. Only
+        between steps, with nothing in flight (the in-flight step's outputs live in its set's buffers)."""
+        self.num_spec_tokens = n
+        self.graphs = self.graph_sets[n]
 
     def release(self, request_id: str) -> None:
         self.draft_probs.pop(request_id, None)

@@ -22,6 +22,11 @@ class SpeculativeConfig:
     num_speculative_tokens: int | None = None  # None: the drafter's block size
     draft_sample_method: str = "greedy"
     rejection_sample_method: str = "standard"
+    # Adaptive verification (dspark's key, not vLLM's; spec/adaptive.py): the numbers of drafts a step may
+    # verify, one of them per step for the whole batch, chosen to maximise expected tokens per second from
+    # the measured acceptance and the profiled step times. num_speculative_tokens is always one of them.
+    # None: every step verifies num_speculative_tokens drafts. Needs CUDA graphs (one set per length).
+    verify_lengths: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.method != "dspark":
@@ -37,6 +42,16 @@ class SpeculativeConfig:
         n = self.num_speculative_tokens
         if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
             raise SpeculativeConfigError(f"num_speculative_tokens must be an integer >= 1, got {n!r}")
+        v = self.verify_lengths
+        if v is not None:
+            if (not isinstance(v, (list, tuple)) or not v
+                    or any(not isinstance(x, int) or isinstance(x, bool) or x < 1 for x in v)):
+                raise SpeculativeConfigError(f"verify_lengths must be a non-empty list of integers >= 1, got {v!r}")
+            if n is not None and max(v) > n:
+                raise SpeculativeConfigError(
+                    f"verify_lengths {list(v)} go past num_speculative_tokens {n}: a step cannot verify more drafts "
+                    "than the drafter makes")
+            object.__setattr__(self, "verify_lengths", tuple(sorted(set(v))))
 
     @classmethod
     def parse(cls, value: "SpeculativeConfig | dict[str, Any] | str | None") -> "SpeculativeConfig | None":

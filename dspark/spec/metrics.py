@@ -21,6 +21,9 @@ class SpecStats:
     accepted_at: list[int] = field(default_factory=list)
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
+    # engine steps that verified drafts, by the number of drafts the step's graphs verify per request
+    # (adaptive verification changes it: spec/adaptive.py); the engine's aggregate only
+    length_steps: dict[int, int] = field(default_factory=dict)
 
     def record(self, num_drafts: int, num_accepted: int) -> None:
         self.num_steps += 1
@@ -53,4 +56,4 @@ class SpecStats:
             "spec_conditional_acceptance": self.conditional_acceptance,
             "spec_draft_time_s": self.draft_time_s,
             "spec_verify_time_s": self.verify_time_s,
-        }
+        } | ({"spec_verify_length_steps": dict(sorted(self.length_steps.items()))} if self.length_steps else {})

@@ -268,6 +268,12 @@ class DSparkProposerFactory:
                 f"num_speculative_tokens {n} is larger than the drafter's block size {cfg.block_size}: "
                 "slots past the block predict nothing"
             )
+        v = spec.verify_lengths
+        if v is not None and max(v) > (n or cfg.block_size):
+            raise SpeculativeConfigError(
+                f"verify_lengths {list(v)} go past the {n or cfg.block_size} drafts a step makes "
+                f"(num_speculative_tokens, default the drafter's block size {cfg.block_size})"
+            )
         self.spec, self.cfg, self.target_config = spec, cfg, target_config
         self.max_positions, self.dtype, self.device = max_positions, dtype, device
         self.tap_layers = cfg.target_layer_ids

@@ -1,0 +1,118 @@
+"""Adaptive verification: how many drafts the next steps verify (dspark.md §4, batch-wide).
+
+Verifying N drafts per request costs the target N + 1 query rows per request; at large batch those rows
+are what the GPU is busy with, and late drafts are seldom accepted (at temperature 1 the shipped drafter's
+conditional acceptance is ~0.5 per slot, so the 7th draft survives ~1 % of the time). The paper's scheduler
+(dspark.md §4) picks per-request lengths maximising Θ = τ · SPS(B). dspark's CUDA graphs give every request
+of a step the same q = 1 + N rows, so here N is one number for the whole batch, picked from
+``SpeculativeConfig.verify_lengths`` (one set of graphs captured per length):
+
+    Θ(N) = Σ_r (1 + Σ_{j ≤ N} a_{r,j}) / t(N, B)
+
+with a_{r,j} the estimated probability that request r's first j drafts are all accepted (the product of
+the conditional acceptances up to j) and t(N, B) the step time of the graphs for N drafts at the padded
+batch size of B requests, profiled at start-up (``StepGraphs.profile``). The acceptance estimates are the
+measured per-position conditional acceptance of recent steps (``AcceptanceEstimate``), kept apart for
+greedy and sampled requests; the drafter's confidence head is not read (the graphs do not compute it:
+with one N for the batch, per-request confidences would only be summed anyway; a ragged per-request
+length would need them).
+
+Losslessness: the N of a step is decided from steps already read back, never from the step's own
+verification, so each step's tokens are exact (greedy: the argmax chain; sampled: exact samples) whatever N
+is. What does change with N is which exact sample a seeded sampled request gets (its keys are the same,
+the verified drafts are not), so with adaptive lengths a seeded sampled request's text depends on the load.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+GREEDY, SAMPLED = 0, 1
+
+
+class AcceptanceEstimate:
+    """Per-position conditional acceptance P(draft j accepted | drafts < j accepted), greedy and sampled
+    requests apart, from decayed counts: each step's counts are added after the earlier ones were
+    multiplied by ``decay`` — only at the positions the step reached, so positions that the current
+    length does not verify keep the estimate they had when they were last verified. A position with few
+    observations (late slots are seldom reached) leans on the pooled rate of all positions, with
+    ``prior_weight`` pseudo-observations of it."""
+
+    def __init__(self, num_positions: int, decay: float = 0.98, min_reached: float = 16.0,
+                 prior_weight: float = 4.0) -> None:
+        self.decay, self.min_reached, self.prior_weight = decay, min_reached, prior_weight
+        self.reached = np.zeros((2, num_positions))
+        self.accepted = np.zeros((2, num_positions))
+        self._step = np.zeros((2, 2, num_positions))  # this step's (reached, accepted) per kind
+
+    def observe(self, sampled: bool, num_drafts: int, num_accepted: int) -> None:
+        """One request's verification: num_drafts verified, the first num_accepted of them accepted."""
+        c = self._step[int(sampled)]
+        c[0, :min(num_accepted + 1, num_drafts)] += 1
+        c[1, :num_accepted] += 1
+
+    def end_step(self) -> None:
+        new_r, new_a = self._step[:, 0], self._step[:, 1]
+        seen = new_r > 0
+        self.reached[seen] = self.decay * self.reached[seen] + new_r[seen]
+        self.accepted[seen] = self.decay * self.accepted[seen] + new_a[seen]
+        self._step[:] = 0
+
+    def survival(self, kind: int) -> np.ndarray | None:
+        """a_j for j = 1..num_positions (the product of the conditional acceptances up to j), or None while
+        there are too few observations to say."""
+        r, a = self.reached[kind], self.accepted[kind]
+        total = r.sum()
+        if total < self.min_reached:
+            return None
+        pooled, w = a.sum() / total, self.prior_weight
+        return np.cumprod((a + w * pooled) / (r + w))
+
+
+class VerifyLengthPolicy:
+    """Picks the number of drafts to verify (one of ``lengths``) for a batch of greedy and sampled
+    requests: the Θ-maximising one, with hysteresis — it moves away from ``current`` only if that gains
+    more than ``margin`` and at least ``min_steps`` steps were taken since the last change (every change
+    drains the async pipeline once: one step's host work is not overlapped)."""
+
+    def __init__(self, lengths: tuple[int, ...], step_time: Callable[[int, int, bool], float],
+                 estimate: AcceptanceEstimate, margin: float = 0.05, min_steps: int = 16) -> None:
+        self.lengths = tuple(sorted(lengths))
+        self.step_time = step_time  # (num_drafts, batch size, any sampled request) -> seconds per step
+        self.estimate = estimate
+        self.margin, self.min_steps = margin, min_steps
+        self.steps_since_change = min_steps  # no change yet: free to choose once the estimates can tell
+        self.changes = 0
+
+    def throughput(self, n: int, num_greedy: int, num_sampled: int) -> float | None:
+        """Θ(n): expected tokens per second of a step verifying n drafts per request."""
+        tokens = float(num_greedy + num_sampled)
+        for kind, count in ((GREEDY, num_greedy), (SAMPLED, num_sampled)):
+            if count:
+                a = self.estimate.survival(kind)
+                if a is None:
+                    return None
+                tokens += count * float(a[:n].sum())
+        return tokens / self.step_time(n, num_greedy + num_sampled, num_sampled > 0)
+
+    def choose(self, current: int, num_greedy: int, num_sampled: int) -> int:
+        """The length for the next step (``current`` when the estimates cannot tell yet)."""
+        if num_greedy + num_sampled == 0 or self.steps_since_change < self.min_steps:
+            return current
+        theta = {n: self.throughput(n, num_greedy, num_sampled) for n in self.lengths}
+        if any(t is None for t in theta.values()):
+            return current
+        best = max(self.lengths, key=lambda n: (theta[n], -n))
+        return best if theta[best] > theta[current] * (1 + self.margin) else current
+
+    def changed(self) -> None:
+        """The engine moved to another length."""
+        self.steps_since_change = 0
+        self.changes += 1
+
+    def tick(self) -> None:
+        """One more verification step read back (its observations are in ``estimate``)."""
+        self.estimate.end_step()
+        self.steps_since_change += 1

@@ -1,0 +1,91 @@
+"""Adaptive verification in the engine (LLMEngine + spec/adaptive.py): one graph set per verify length,
+the length changed between steps (the async pipeline drained first). On the CPU through the fixed-shape
+graph steps (Triton's interpreter), with a step-time table the test sets (on a GPU the profiled one),
+switched while the requests run so that the engine moves down and up again. What must hold: greedy
+tokens equal plain decoding's and the fixed-length engine's; sampled requests run through the changes
+(drafts dropped or padded) with the KV pool whole; the lengths really changed."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from dspark import LLM, SamplingParams  # noqa: E402
+from tests.engine.test_async_scheduling import _drive, prompts, spec_pair  # noqa: E402,F401
+
+
+def _llm(spec_pair, **spec) -> LLM:
+    t, d = spec_pair
+    llm = LLM(str(t), device="cpu", block_size=4, num_kv_blocks=128, attention_backend="triton", max_num_seqs=4,
+              speculative_config={"model": str(d), **spec})
+    llm.engine.runner.enable_graphs(capture=False, batch_sizes=[2, 4], buckets=[64, 128])
+    return llm
+
+
+class Costs:
+    """A step-time table the test flips: 'short' makes 1 draft the best, 'long' 4 drafts."""
+
+    def __init__(self):
+        self.mode = "long"
+
+    def __call__(self, n, batch, sampled):
+        return 1.0 + (10.0 * n if self.mode == "short" else 0.0)
+
+
+def _adaptive(spec_pair, costs, **spec):
+    llm = _llm(spec_pair, verify_lengths=[1, 2], **spec)
+    eng = llm.engine
+    assert sorted(eng.runner.graph_sets) == [1, 2, 4] and eng.runner.num_spec_tokens == 4
+    eng.enable_adaptive_verification(costs, margin=0.0, min_steps=2)
+    return llm
+
+
+def _flip(costs, mode):
+    def fn(eng):
+        costs.mode = mode
+    return fn
+
+
+@pytest.fixture(scope="module")
+def plain(spec_pair, prompts):
+    """Greedy decoding without speculation, 32 tokens per prompt (shorter runs are its prefixes)."""
+    return [o.token_ids for o in LLM(str(spec_pair[0]), device="cpu", block_size=4, num_kv_blocks=128,
+                                     attention_backend="triton", max_num_seqs=4).generate(
+        prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))]
+
+
+def test_greedy_tokens_unchanged_while_lengths_change(spec_pair, prompts, plain):
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (28, 22, 32)]
+    costs = Costs()
+    llm = _adaptive(spec_pair, costs)
+    got, _, inflight = _drive(llm, list(zip(prompts, params)), {2: _flip(costs, "short"), 8: _flip(costs, "long")})
+    assert [got[f"req-{i}"].token_ids for i in range(3)] == [p[:n.max_tokens] for p, n in zip(plain, params)]
+    eng = llm.engine
+    steps = eng.spec_stats.length_steps
+    assert steps.get(1, 0) >= 2 and steps.get(4, 0) >= 2, steps  # moved down to 1 draft and back up to 4
+    assert eng.verify_policy.changes >= 2
+    assert sum(G.stats["async"] for G in eng.runner.graph_sets.values()) > 0 and any(inflight)
+    assert eng.spec_stats.as_dict()["spec_verify_length_steps"] == dict(sorted(steps.items()))
+    eng.kv.check_integrity()
+
+
+def test_sampled_requests_through_length_changes(spec_pair, prompts, plain):
+    """Seeded sampled requests (probabilistic drafts, block verification) beside a greedy one: the drafts'
+    q of a longer proposal verified by a shorter graph set, and fewer drafts than a longer set holds."""
+    params = [SamplingParams(temperature=1.0, seed=5, max_tokens=28, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=28, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=9, max_tokens=28, ignore_eos=True)]
+    costs = Costs()
+    llm = _adaptive(spec_pair, costs, draft_sample_method="probabilistic", rejection_sample_method="block")
+    got, _, _ = _drive(llm, list(zip(prompts, params)), {2: _flip(costs, "short"), 12: _flip(costs, "long")})
+    eng = llm.engine
+    assert all(len(got[f"req-{i}"].token_ids) == 28 for i in range(3))
+    steps = eng.spec_stats.length_steps
+    assert steps.get(1, 0) >= 2 and steps.get(4, 0) >= 2, steps
+    assert got["req-1"].token_ids == plain[1][:28]  # the greedy request is still the argmax chain
+    eng.kv.check_integrity()
+    assert not eng.runner.draft_probs  # nothing left behind for finished requests

@@ -1,0 +1,95 @@
+"""Adaptive verification's policy (spec/adaptive.py): acceptance estimates and the Θ-maximising length,
+against hand-computed values."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dspark.spec.adaptive import GREEDY, SAMPLED, AcceptanceEstimate, VerifyLengthPolicy
+from dspark.spec.config import SpeculativeConfig, SpeculativeConfigError
+
+
+def test_estimate_counts_reached_and_accepted_positions():
+    e = AcceptanceEstimate(4, decay=0.5, min_reached=1, prior_weight=0.0)
+    e.observe(False, 4, 2)  # slots 1, 2 accepted, 3 rejected, 4 not reached
+    e.observe(False, 4, 4)
+    e.observe(True, 2, 0)
+    e.end_step()
+    np.testing.assert_array_equal(e.reached[GREEDY], [2, 2, 2, 1])
+    np.testing.assert_array_equal(e.accepted[GREEDY], [2, 2, 1, 1])
+    np.testing.assert_array_equal(e.reached[SAMPLED], [1, 0, 0, 0])
+    e.observe(False, 2, 0)  # next step: only slot 1 reached; slots 2-4 keep their counts (not decayed)
+    e.end_step()
+    np.testing.assert_array_equal(e.reached[GREEDY], [2 * 0.5 + 1, 2, 2, 1])
+    np.testing.assert_array_equal(e.accepted[GREEDY], [2 * 0.5, 2, 1, 1])
+    # a_j = product of conditional acceptances: 1/2, 1, 1/2, 1
+    np.testing.assert_allclose(e.survival(GREEDY), [0.5, 0.5, 0.25, 0.25])
+
+
+def test_estimate_shrinks_rare_positions_to_the_pooled_rate_and_waits_for_data():
+    e = AcceptanceEstimate(3, decay=1.0, min_reached=10, prior_weight=2.0)
+    for _ in range(9):
+        e.observe(False, 3, 0)  # slot 1 reached 9 times, never accepted
+    e.end_step()
+    assert e.survival(GREEDY) is None  # 9 observations < min_reached
+    e.observe(False, 3, 1)
+    e.end_step()
+    # reached [10, 1, 0], accepted [1, 0, 0]; pooled 1/11; (a + 2 * 1/11) / (r + 2)
+    p = 1 / 11
+    cond = np.array([(1 + 2 * p) / 12, (0 + 2 * p) / 3, p])
+    np.testing.assert_allclose(e.survival(GREEDY), np.cumprod(cond))
+    assert e.survival(SAMPLED) is None
+
+
+def _policy(cond_greedy, cond_sampled, step_time, **kw):
+    n = len(cond_greedy)
+    e = AcceptanceEstimate(n, decay=1.0, min_reached=1, prior_weight=0.0)
+    e.reached[:] = 1000.0
+    e.accepted[GREEDY] = 1000.0 * np.array(cond_greedy)
+    e.accepted[SAMPLED] = 1000.0 * np.array(cond_sampled)
+    return VerifyLengthPolicy((1, 3, n), step_time, e, **{"margin": 0.0, "min_steps": 0, **kw})
+
+
+def test_policy_maximises_tokens_per_second():
+    # step time grows with the rows: 1 ms + 0.1 ms per row at batch 32 (q = 1 + n rows per request)
+    def t(n, b, sampled):
+        return 1e-3 + 1e-4 * b * (1 + n)
+
+    pol = _policy([0.9] * 7, [0.5] * 7, t)
+    # greedy, a_j = 0.9^j: Θ(1) = 32 * 1.9 / 7.4 ms = 8.22, Θ(3) = 32 * 3.439 / 13.8 ms = 7.97,
+    # Θ(7) = 32 * 5.783 / 26.6 ms = 6.96 tokens/ms
+    assert pol.throughput(1, 32, 0) == pytest.approx(32 * 1.9 / 7.4e-3)
+    assert pol.throughput(3, 32, 0) == pytest.approx(32 * (1 + 0.9 + 0.81 + 0.729) / 13.8e-3)
+    assert pol.choose(7, 32, 0) == 1
+    # at batch 1 the step is latency-bound: Θ(7) = 5.783 / 1.8 ms is the best
+    assert pol.choose(1, 1, 0) == 7
+    # sampled requests count with their own (lower) acceptance: 16 + 16 at batch 32
+    a_g, a_s = np.cumprod([0.9] * 7), np.cumprod([0.5] * 7)
+    want = {n: (32 + 16 * a_g[:n].sum() + 16 * a_s[:n].sum()) / t(n, 32, True) for n in (1, 3, 7)}
+    assert pol.throughput(3, 16, 16) == pytest.approx(want[3])
+    assert pol.choose(7, 16, 16) == max(want, key=want.get)
+
+
+def test_policy_hysteresis_and_unknown_estimates():
+    flat = lambda n, b, s: 1e-3 * (1 + 0.01 * n)  # noqa: E731  (nearly flat: long blocks win a little)
+    pol = _policy([0.5] * 7, [0.5] * 7, flat, margin=0.05, min_steps=2)
+    # Θ(7) / Θ(3) = (1.9921875 / 1.07) / (1.875 / 1.03) = 1.023: less than the margin, stay at 3
+    assert pol.choose(3, 8, 0) == 3
+    pol.margin = 0.0
+    assert pol.choose(3, 8, 0) == 7
+    pol.changed()
+    assert pol.choose(3, 8, 0) == 3  # too soon after a change
+    pol.tick(), pol.tick()
+    assert pol.choose(3, 8, 0) == 7
+    empty = VerifyLengthPolicy((1, 7), flat, AcceptanceEstimate(7), min_steps=0)
+    assert empty.choose(7, 8, 0) == 7  # no observations yet: keep the current length
+
+
+def test_config_verify_lengths_errors():
+    assert SpeculativeConfig(num_speculative_tokens=7, verify_lengths=[7, 3, 3, 1]).verify_lengths == (1, 3, 7)
+    for bad in ([], [0, 2], "3", [2.5], [True]):
+        with pytest.raises(SpeculativeConfigError, match="verify_lengths must be a non-empty list"):
+            SpeculativeConfig(verify_lengths=bad)
+    with pytest.raises(SpeculativeConfigError, match="go past num_speculative_tokens 5"):
+        SpeculativeConfig(num_speculative_tokens=5, verify_lengths=[3, 7])
