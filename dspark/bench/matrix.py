@@ -492,6 +492,14 @@ def _run_bench_matrix(a: argparse.Namespace) -> int:
             "num_spec_tokens": spec_b_llm.engine.runner.num_spec_tokens}
     log(f"loaded {engine.model_name} on {device} ({engine.config.dtype}), systems {', '.join(labels.values())}, "
         f"in {time.perf_counter() - t0:.1f}s")
+    for name, info in (("dspark_spec", spec_info), ("dspark_spec_b", spec_info_b)):
+        times = systems[name].llm.engine.runner.step_times if info is not None else None
+        if times:  # adaptive verification: the profiled step-time table (StepGraphs.profile), ms
+            info["step_times_ms"] = {f"{n} drafts": {f"B={b}{' sampled' if sm else ''}": round(1e3 * v, 4)
+                                                     for (b, sm), v in sorted(t.items())} for n, t in times.items()}
+            log(f"{labels[name]}: adaptive verification over {sorted(times)} drafts; profiled ms per step "
+                + "; ".join(f"{k}: " + ", ".join(f"{c} {v}" for c, v in row.items() if not c.endswith("sampled"))
+                            for k, row in info["step_times_ms"].items()))
     # The engines live as long as this process: out of the garbage collector's sight, so its collections
     # during timed calls walk only what the calls create (as vLLM's engine does after start-up). Measured
     # on the H200 (session 20): without it the three timed calls of one B = 32 DSpark cell took 1.04, 1.21
