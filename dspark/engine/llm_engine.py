@@ -185,12 +185,16 @@ class LLMEngine:
         self.verify_policy = VerifyLengthPolicy(tuple(lengths), step_time, AcceptanceEstimate(max(lengths)),
                                                 **policy_kw)
         self._next_length = None
+        self._last_verify = None  # (perf_counter, num_drafts) of the last verification step read back
 
     def _choose_length(self) -> int:
         """The verify length the policy wants for the running requests (greedy and sampled counted apart;
-        requests that cannot speculate, penalised ones, do not count)."""
+        requests that cannot speculate, penalised ones, do not count); the current one between the
+        policy's decisions."""
         from dspark.engine.runner import spec_eligible
 
+        if not self.verify_policy.due():
+            return self.runner.num_spec_tokens
         running = [r for r in self.scheduler.running if spec_eligible(r)]
         greedy = sum(r.params.greedy for r in running)
         return self.verify_policy.choose(self.runner.num_spec_tokens, greedy, len(running) - greedy)
@@ -413,15 +417,22 @@ class LLMEngine:
         self.spec_stats.draft_time_s += result.draft_time_s
         self.spec_stats.verify_time_s += result.verify_time_s
         pol = self.verify_policy
+        sampled = 0
         for rid, (n, a) in result.verified.items():
             self.spec_stats.record(n, a)
             self._req_spec.setdefault(rid, SpecStats()).record(n, a)
             if pol is not None and rid in self.requests:
-                pol.estimate.observe(not self.requests[rid].params.greedy, n, a)
+                s = not self.requests[rid].params.greedy
+                sampled += s
+                pol.estimate.observe(s, n, a)
         if result.verified:
             n = self.runner.num_spec_tokens
             self.spec_stats.length_steps[n] = self.spec_stats.length_steps.get(n, 0) + 1
             if pol is not None:
+                now = time.perf_counter()
+                if self._last_verify is not None and self._last_verify[1] == n:  # steps of one length in a row
+                    pol.observe_step(n, len(result.verified), sampled > 0, now - self._last_verify[0])
+                self._last_verify = (now, n)
                 pol.tick()
         for rid, drafts in result.drafts.items():
             req = self.requests[rid]

@@ -40,7 +40,7 @@ def _adaptive(spec_pair, costs, **spec):
     llm = _llm(spec_pair, verify_lengths=[1, 2], **spec)
     eng = llm.engine
     assert sorted(eng.runner.graph_sets) == [1, 2, 4] and eng.runner.num_spec_tokens == 4
-    eng.enable_adaptive_verification(costs, margin=0.0, min_steps=2)
+    eng.enable_adaptive_verification(costs, margin=0.0, min_steps=2, interval=1)
     return llm
 
 

@@ -93,3 +93,22 @@ def test_config_verify_lengths_errors():
             SpeculativeConfig(verify_lengths=bad)
     with pytest.raises(SpeculativeConfigError, match="go past num_speculative_tokens 5"):
         SpeculativeConfig(num_speculative_tokens=5, verify_lengths=[3, 7])
+
+
+def test_policy_learns_the_overhead_beyond_the_graphs():
+    """Batch 128, greedy, the H200's profiled graph times (session 26: 1.84 ms for 3 drafts, 2.87 for 7)
+    and acceptance that gives tau 2.4 at 3 drafts: without the time a real step spends beyond the graphs
+    3 drafts look 1.3x faster; with the overhead learnt from the read-backs the gain shrinks (the same
+    extra time on both), and past a margin of it the policy stays at 7."""
+    prof = {1: 1.6e-3, 3: 1.84e-3, 7: 2.87e-3}
+    pol = _policy([0.6] * 7, [0.5] * 7, lambda n, b, s: prof[n], margin=0.2)
+    assert pol.choose(7, 128, 0) == 3  # (1 + 0.6 + 0.36 + 0.216) / 1.84 vs 2.458 / 2.87: 1.38x
+    for _ in range(300):  # read-backs 5.4 ms apart at 7 drafts: 2.53 ms beyond the graphs
+        pol.observe_step(7, 128, False, 5.4e-3)
+    assert pol.overhead[128] == pytest.approx(2.53e-3)
+    assert pol.throughput(3, 128, 0) / pol.throughput(7, 128, 0) == pytest.approx(
+        (2.176 / 4.37e-3) / (2.458 / 5.4e-3), rel=1e-3)  # 1.09x: under the margin
+    assert pol.choose(7, 128, 0) == 7
+    pol.observe_step(7, 100, False, 10.0)  # an idle gap counts as at most twice the graphs' time
+    assert pol.overhead[128] == pytest.approx(2.53e-3 + 0.05 * (2 * 2.87e-3 - 2.53e-3))
+    assert 64 not in pol.overhead  # learnt per batch-size bucket
