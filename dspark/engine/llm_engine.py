@@ -128,6 +128,7 @@ class LLMEngine:
         # one set of CUDA graphs per length and their profiled step times (tests give a step_time)
         self.verify_policy: VerifyLengthPolicy | None = None
         self._next_length: int | None = None  # a change decided while a step was in flight
+        self._last_readback = None  # (perf_counter, drafts verified) of the last pipelined read-back
         if self.runner.step_times is not None:
             self.enable_adaptive_verification(self.runner.step_time)
         elif len(self.runner.verify_lengths()) > 1:
@@ -185,7 +186,7 @@ class LLMEngine:
         self.verify_policy = VerifyLengthPolicy(tuple(lengths), step_time, AcceptanceEstimate(max(lengths)),
                                                 **policy_kw)
         self._next_length = None
-        self._last_verify = None  # (perf_counter, num_drafts) of the last verification step read back
+        self._last_readback = None  # (perf_counter, drafts verified) of the last pipelined read-back
 
     def _choose_length(self) -> int:
         """The verify length the policy wants for the running requests (greedy and sampled counted apart;
@@ -198,6 +199,15 @@ class LLMEngine:
         running = [r for r in self.scheduler.running if spec_eligible(r)]
         greedy = sum(r.params.greedy for r in running)
         return self.verify_policy.choose(self.runner.num_spec_tokens, greedy, len(running) - greedy)
+
+    def _observe_pipelined(self, sched, step, result) -> None:
+        """The step-time observation of adaptive verification: the interval between two pipelined
+        read-backs of one length and the host's wait for the GPU in it (VerifyLengthPolicy.observe_step)."""
+        now, n = time.perf_counter(), self.runner.num_spec_tokens
+        last, self._last_readback = self._last_readback, (now, n)
+        if last is not None and last[1] == n and result.verified:
+            sampled = any(not s.request.params.greedy for s in sched.scheduled)
+            self.verify_policy.observe_step(n, len(result.verified), sampled, now - last[0], result.wait_s)
 
     def _adapt_verify_length(self) -> None:
         """Between steps (nothing in flight): move to the length the policy chose. Drafts a request holds
@@ -293,6 +303,7 @@ class LLMEngine:
         if self._inflight is not None:
             return self._step_async()
         sched = self.scheduler.schedule()
+        self._last_readback = None  # the next read-back follows no pipelined one (spec/adaptive.py)
         touched: dict[str, Request] = {r.request_id: r for r in sched.finished}
         if sched.scheduled and self._launchable(sched):
             self._launch(sched, None)
@@ -368,6 +379,8 @@ class LLMEngine:
             if nxt is not None:
                 self._inflight = (nxt, self.runner.launch_one_sync(nxt, self.kv, step))
         result = self.runner.finish_one_sync(step)
+        if self.verify_policy is not None:
+            self._observe_pipelined(sched, step, result)
         live_ids = {r.request_id for r in reqs if not r.is_finished}  # an abort while the step ran drops its result
         for part in (result.new_tokens, result.verified, result.drafts):
             for rid in [rid for rid in part if rid not in live_ids]:
@@ -417,22 +430,15 @@ class LLMEngine:
         self.spec_stats.draft_time_s += result.draft_time_s
         self.spec_stats.verify_time_s += result.verify_time_s
         pol = self.verify_policy
-        sampled = 0
         for rid, (n, a) in result.verified.items():
             self.spec_stats.record(n, a)
             self._req_spec.setdefault(rid, SpecStats()).record(n, a)
             if pol is not None and rid in self.requests:
-                s = not self.requests[rid].params.greedy
-                sampled += s
-                pol.estimate.observe(s, n, a)
+                pol.estimate.observe(not self.requests[rid].params.greedy, n, a)
         if result.verified:
             n = self.runner.num_spec_tokens
             self.spec_stats.length_steps[n] = self.spec_stats.length_steps.get(n, 0) + 1
             if pol is not None:
-                now = time.perf_counter()
-                if self._last_verify is not None and self._last_verify[1] == n:  # steps of one length in a row
-                    pol.observe_step(n, len(result.verified), sampled > 0, now - self._last_verify[0])
-                self._last_verify = (now, n)
                 pol.tick()
         for rid, drafts in result.drafts.items():
             req = self.requests[rid]

@@ -47,6 +47,7 @@ class StepResult:
     verified: dict[str, tuple[int, int]] = field(default_factory=dict)  # request id -> (drafts verified, accepted)
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
+    wait_s: float = 0.0  # a launched step's read-back: how long the host waited for the GPU
 
 
 @dataclass
@@ -547,12 +548,13 @@ class ModelRunner:
         """Wait for a one-sync step (only for it) and turn its read-back into a StepResult. The
         timings are GPU times (CUDA events): verify_time_s = target + verification, draft_time_s =
         context store + drafting (wall time on a CPU)."""
+        t0 = time.perf_counter()
         if step.done is not None:
             step.done.synchronize()
         vals = step.host.tolist()
         q = self.graphs.q
         B = step.num_rows or len(step.scheduled)
-        result = StepResult({})
+        result = StepResult({}, wait_s=time.perf_counter() - t0)
         n_l = vals[B * q:B * q + B]
         drafts = vals[B * q + B:]
         N = self.num_spec_tokens

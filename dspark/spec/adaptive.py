@@ -84,22 +84,28 @@ class VerifyLengthPolicy:
     drains the async pipeline once: one step's host work is not overlapped). It decides every
     ``interval`` steps (the batch and the estimates change slowly; the decision is host work).
 
-    Step times: ``step_time(n, batch, any_sampled)`` is the GPU time of the step's graphs (profiled);
-    a real step also costs what the graphs do not hold (read-back, the host's part that the pipeline
-    does not hide, admissions), measured on the H200 at 0.3–0.5 ms per step at batch 32 (session 26). That
-    overhead is taken as the same for every length and learnt per batch size from the intervals between
-    read-backs (``observe_step``): t(n, B) = step_time(n, B) + overhead(B). Without it the policy took the
-    GPU-only times for the whole step and chose 3 drafts where 7 were faster end to end."""
+    Step times. ``step_time(n, batch, any_sampled)`` is the GPU time of the step's graphs (profiled).
+    With async scheduling the host prepares step t + 1 while the GPU runs step t, so a pipelined step
+    takes max(GPU, host), not their sum: a host-bound batch gains nothing from shorter GPU steps and
+    loses the drafts it no longer verifies. Measured on the H200 (session 26, T = 1, batch 32): 3 drafts
+    instead of 7 took the graphs from 1.82 to 1.45 ms, but a real step stayed at ~3 ms, the host's time,
+    and throughput fell 7 %; a policy that added a constant overhead to the GPU time chose 3 drafts there.
+    So from each pipelined read-back (``observe_step``: the interval since the one before, and how long
+    the host waited for the GPU in it) the policy learns, per batch-size bucket, the host's time per step
+    (interval − wait) and what neither explains (interval − max(GPU, host): bubbles, admissions), and
+    takes t(n, B) = max(step_time(n, B), host(B)) + rest(B). The host's work is taken as the same for
+    every length (it shrinks a little with fewer drafts: the model errs towards longer blocks)."""
 
     def __init__(self, lengths: tuple[int, ...], step_time: Callable[[int, int, bool], float],
                  estimate: AcceptanceEstimate, margin: float = 0.1, min_steps: int = 16, interval: int = 8,
-                 overhead_weight: float = 0.05) -> None:
+                 time_weight: float = 0.05) -> None:
         self.lengths = tuple(sorted(lengths))
         self.step_time = step_time  # (num_drafts, batch size, any sampled request) -> seconds per step
         self.estimate = estimate
         self.margin, self.min_steps, self.interval = margin, min_steps, interval
-        self.overhead_weight = overhead_weight
-        self.overhead: dict[int, float] = {}  # batch-size bucket -> seconds per step beyond step_time
+        self.time_weight = time_weight
+        # batch-size bucket -> (host seconds per step, seconds neither the GPU nor the host explain)
+        self.host: dict[int, tuple[float, float]] = {}
         self.steps_since_change = min_steps  # no change yet: free to choose once the estimates can tell
         self.steps = 0
         self.changes = 0
@@ -108,15 +114,24 @@ class VerifyLengthPolicy:
     def _bucket(batch: int) -> int:
         return 1 << max(0, batch - 1).bit_length()
 
-    def observe_step(self, n: int, batch: int, sampled: bool, seconds: float) -> None:
-        """A read-back ``seconds`` after the one before, of a step verifying n drafts for ``batch``
-        requests: learn the overhead beyond the graphs' time (clipped to twice that time, so an idle gap
-        between requests or a long admission moves it little)."""
-        t = self.step_time(n, batch, sampled)
-        extra = min(max(seconds - t, 0.0), 2 * t)
+    def observe_step(self, n: int, batch: int, sampled: bool, interval: float, wait: float) -> None:
+        """A pipelined step verifying n drafts for ``batch`` requests, read back ``interval`` seconds after
+        the step before, the host having waited ``wait`` of them for the GPU. An interval over ten times
+        the GPU's (a pause of the process: the collector, the OS) is left out."""
+        gpu = self.step_time(n, batch, sampled)
+        if interval > 10 * gpu:
+            return
+        host = max(interval - wait, 0.0)
+        rest = max(interval - max(gpu, host), 0.0)
         k = self._bucket(batch)
-        old = self.overhead.get(k)
-        self.overhead[k] = extra if old is None else old + self.overhead_weight * (extra - old)
+        old = self.host.get(k)
+        w = self.time_weight
+        self.host[k] = (host, rest) if old is None else (old[0] + w * (host - old[0]), old[1] + w * (rest - old[1]))
+
+    def real_step_time(self, n: int, batch: int, sampled: bool) -> float:
+        """t(n, B) = max(GPU time, host time) + the rest (both learnt; the GPU time alone before any)."""
+        host, rest = self.host.get(self._bucket(batch), (0.0, 0.0))
+        return max(self.step_time(n, batch, sampled), host) + rest
 
     def throughput(self, n: int, num_greedy: int, num_sampled: int) -> float | None:
         """Θ(n): expected tokens per second of a step verifying n drafts per request."""
@@ -127,8 +142,7 @@ class VerifyLengthPolicy:
                 if a is None:
                     return None
                 tokens += count * float(a[:n].sum())
-        batch = num_greedy + num_sampled
-        return tokens / (self.step_time(n, batch, num_sampled > 0) + self.overhead.get(self._bucket(batch), 0.0))
+        return tokens / self.real_step_time(n, num_greedy + num_sampled, num_sampled > 0)
 
     def due(self) -> bool:
         """Whether this step decides (every ``interval`` steps, and not too soon after a change)."""

@@ -68,6 +68,7 @@ def test_greedy_tokens_unchanged_while_lengths_change(spec_pair, prompts, plain)
     steps = eng.spec_stats.length_steps
     assert steps.get(1, 0) >= 2 and steps.get(4, 0) >= 2, steps  # moved down to 1 draft and back up to 4
     assert eng.verify_policy.changes >= 2
+    assert eng.verify_policy.host  # pipelined read-backs were timed (the policy's host / GPU model)
     assert sum(G.stats["async"] for G in eng.runner.graph_sets.values()) > 0 and any(inflight)
     assert eng.spec_stats.as_dict()["spec_verify_length_steps"] == dict(sorted(steps.items()))
     eng.kv.check_integrity()

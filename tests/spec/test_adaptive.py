@@ -95,20 +95,28 @@ def test_config_verify_lengths_errors():
         SpeculativeConfig(num_speculative_tokens=5, verify_lengths=[3, 7])
 
 
-def test_policy_learns_the_overhead_beyond_the_graphs():
-    """Batch 128, greedy, the H200's profiled graph times (session 26: 1.84 ms for 3 drafts, 2.87 for 7)
-    and acceptance that gives tau 2.4 at 3 drafts: without the time a real step spends beyond the graphs
-    3 drafts look 1.3x faster; with the overhead learnt from the read-backs the gain shrinks (the same
-    extra time on both), and past a margin of it the policy stays at 7."""
-    prof = {1: 1.6e-3, 3: 1.84e-3, 7: 2.87e-3}
-    pol = _policy([0.6] * 7, [0.5] * 7, lambda n, b, s: prof[n], margin=0.2)
-    assert pol.choose(7, 128, 0) == 3  # (1 + 0.6 + 0.36 + 0.216) / 1.84 vs 2.458 / 2.87: 1.38x
-    for _ in range(300):  # read-backs 5.4 ms apart at 7 drafts: 2.53 ms beyond the graphs
-        pol.observe_step(7, 128, False, 5.4e-3)
-    assert pol.overhead[128] == pytest.approx(2.53e-3)
+def test_policy_learns_whether_the_host_or_the_gpu_bounds_a_step():
+    """The two cases measured on the H200 (session 26), as the policy sees them. The graphs' profiled
+    times alone make 3 drafts look faster in both; what the read-backs show decides.
+    - T = 1, batch 32 (sampled, conditional acceptance ~0.5): graphs 1.45 ms at 3 drafts, 1.82 at 7, but
+      read-backs 2.9 ms apart with no wait for the GPU: host-bound, a shorter GPU step gains nothing, stay.
+    - batch 128 (greedy, ~0.6): graphs 1.84 / 2.87 ms, read-backs 3.2 ms apart of which 2.0 waiting for
+      the GPU: GPU-bound (host 1.2 ms, 0.33 ms neither), 3 drafts are 1.31x faster."""
+    prof = {(1, True): 1.3e-3, (3, True): 1.45e-3, (7, True): 1.82e-3,
+            (1, False): 1.6e-3, (3, False): 1.84e-3, (7, False): 2.87e-3}
+    pol = _policy([0.6] * 7, [0.5] * 7, lambda n, b, s: prof[(n, s)], margin=0.1)
+    assert pol.choose(7, 0, 32) == 3  # graphs only: (1.875 / 1.45) / (1.9922 / 1.82) = 1.18x
+    for _ in range(300):
+        pol.observe_step(7, 32, True, 2.9e-3, 0.0)
+    assert pol.host[32] == pytest.approx((2.9e-3, 0.0))
+    assert pol.real_step_time(3, 32, True) == pytest.approx(2.9e-3)  # max(1.45, 2.9)
+    assert pol.choose(7, 0, 32) == 7
+    for _ in range(300):
+        pol.observe_step(7, 128, False, 3.2e-3, 2.0e-3)
+    assert pol.host[128] == pytest.approx((1.2e-3, 0.33e-3))
     assert pol.throughput(3, 128, 0) / pol.throughput(7, 128, 0) == pytest.approx(
-        (2.176 / 4.37e-3) / (2.458 / 5.4e-3), rel=1e-3)  # 1.09x: under the margin
-    assert pol.choose(7, 128, 0) == 7
-    pol.observe_step(7, 100, False, 10.0)  # an idle gap counts as at most twice the graphs' time
-    assert pol.overhead[128] == pytest.approx(2.53e-3 + 0.05 * (2 * 2.87e-3 - 2.53e-3))
-    assert 64 not in pol.overhead  # learnt per batch-size bucket
+        (2.176 / 2.17e-3) / (2.458 / 3.2e-3), rel=1e-3)
+    assert pol.choose(7, 128, 0) == 3
+    pol.observe_step(7, 100, False, 0.1, 0.0)  # a 100 ms pause of the process: left out
+    assert pol.host[128] == pytest.approx((1.2e-3, 0.33e-3))
+    assert 64 not in pol.host  # learnt per batch-size bucket
