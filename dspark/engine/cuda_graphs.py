@@ -379,17 +379,15 @@ class StepGraphs:
 
     def profile(self, max_batch: int, reps: int = 3) -> dict[tuple[int, bool], float]:
         """Seconds per verification step (target + verification + drafter graphs, the smallest context
-        bucket) at each captured batch size up to ``max_batch``, greedy and sampled (the sampled
-        verification and the probabilistic drafter graph): the step-time table of adaptive verification
-        (spec/adaptive.py). Replays on the capture-time inputs (padding rows on the dummy block), so
+        bucket) at each captured batch size up to the first that holds ``max_batch``, greedy and sampled
+        (the sampled verification and the probabilistic drafter graph): the step-time table of adaptive
+        verification (spec/adaptive.py). Replays on the capture-time inputs (padding rows on the dummy block), so
         nothing live is touched; call right after capture_all."""
         assert self.capture and self.draft_graphs, "profiling needs captured DSpark graphs"
         k = self.buckets[0]
         out = {}
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        for B in self.batch_sizes:
-            if B > max_batch and B != self.batch_sizes[0]:
-                break
+        for B in self.batch_sizes[:next((i + 1 for i, b in enumerate(self.batch_sizes) if b >= max_batch), None)]:
             for sampled in (False, True):
                 graphs = (self.target[(B, k)], self.verify[(B, VERIFY_SAMPLED if sampled else VERIFY_GREEDY)],
                           self.draft[(B, k, sampled)])

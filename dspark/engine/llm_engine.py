@@ -30,6 +30,7 @@ from dspark.spec.proposer import DSparkProposerFactory
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass
 class RequestOutput:
     request_id: str
@@ -170,8 +171,8 @@ class LLMEngine:
         self.kv.prefix_queries = self.kv.prefix_hits = 0
         for G in self.runner.graph_sets.values():
             G.stats = dict.fromkeys(G.stats, 0)
-        if self.verify_policy is not None:  # the warm-up's acceptance says nothing of real requests
-            self.runner.use_verify_length(max(self.verify_policy.lengths))
+        if self.verify_policy is not None:  # the warm-up's acceptance says nothing of real requests: a new
+            self.runner.use_verify_length(max(self.verify_policy.lengths))  # policy, at the longest block
             self.enable_adaptive_verification(self.verify_policy.step_time)
         if torch.device(self.config.device).type == "cuda":
             torch.cuda.synchronize()

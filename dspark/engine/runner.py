@@ -205,7 +205,6 @@ class ModelRunner:
             logger.warning("CUDA graph capture failed (%s: %s); running every step eagerly, as with "
                            "--enforce-eager (lower --max-num-seqs / --max-model-len to capture fewer graphs)",
                            type(e).__name__, str(e).splitlines()[0] if str(e) else "")
-            sets = graphs = None
             torch.cuda.empty_cache()
             return
         self.graphs, self.graph_sets = graphs, sets
@@ -213,9 +212,10 @@ class ModelRunner:
         if capture and len(sets) > 1:
             t0 = time.perf_counter()
             self.step_times = {n: G.profile(self.config.max_num_seqs) for n, G in sets.items()}
+            ends = {n: tuple(round(1e3 * t[(b, False)], 3) for b in (min(t)[0], max(t)[0]))
+                    for n, t in self.step_times.items()}
             logger.info("adaptive verification: step times of %s drafts profiled in %.1f s (ms at the smallest and "
-                        "largest batch, greedy: %s)", list(sets), time.perf_counter() - t0,
-                        {n: tuple(round(1e3 * t[(b, False)], 3) for b in (min(t)[0], max(t)[0])) for n, t in self.step_times.items()})
+                        "largest batch, greedy: %s)", list(sets), time.perf_counter() - t0, ends)
 
     def verify_lengths(self) -> list[int]:
         """The numbers of drafts a step may verify: num_speculative_tokens, and with adaptive verification

@@ -111,6 +111,12 @@ def test_too_many_speculative_tokens_names_the_block_size(targets, tmp_path):
         LLM(str(targets["llama"]), device="cpu", speculative_config={"model": str(d), "num_speculative_tokens": 6})
 
 
+def test_verify_lengths_past_the_drafts_name_them(targets, tmp_path):
+    d = random_drafter(tmp_path / "d", targets["llama"], target_layer_ids=[1, 2], block_size=5)
+    with pytest.raises(SpeculativeConfigError, match=r"verify_lengths \[2, 6\] go past the 5 drafts a step makes"):
+        LLM(str(targets["llama"]), device="cpu", speculative_config={"model": str(d), "verify_lengths": [2, 6]})
+
+
 def test_missing_drafter_tensor(targets, tmp_path):
     d = random_drafter(tmp_path / "d", targets["llama"], target_layer_ids=[1, 2])
     sd = load_file(str(d / "model.safetensors"))
