@@ -41,6 +41,7 @@ def _adaptive(spec_pair, costs, **spec):
     eng = llm.engine
     assert sorted(eng.runner.graph_sets) == [1, 2, 4] and eng.runner.num_spec_tokens == 4
     eng.enable_adaptive_verification(costs, margin=0.0, min_steps=2, interval=1)
+    eng.verify_policy.estimate.min_reached = 4  # short runs: decide after a few verifications
     return llm
 
 
@@ -52,14 +53,14 @@ def _flip(costs, mode):
 
 @pytest.fixture(scope="module")
 def plain(spec_pair, prompts):
-    """Greedy decoding without speculation, 32 tokens per prompt (shorter runs are its prefixes)."""
+    """Greedy decoding without speculation, 26 tokens per prompt (shorter runs are its prefixes)."""
     return [o.token_ids for o in LLM(str(spec_pair[0]), device="cpu", block_size=4, num_kv_blocks=128,
                                      attention_backend="triton", max_num_seqs=4).generate(
-        prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))]
+        prompts, SamplingParams(temperature=0, max_tokens=26, ignore_eos=True))]
 
 
 def test_greedy_tokens_unchanged_while_lengths_change(spec_pair, prompts, plain):
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (28, 22, 32)]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (24, 18, 26)]
     costs = Costs()
     llm = _adaptive(spec_pair, costs)
     got, _, inflight = _drive(llm, list(zip(prompts, params)), {2: _flip(costs, "short"), 8: _flip(costs, "long")})
@@ -77,16 +78,16 @@ def test_greedy_tokens_unchanged_while_lengths_change(spec_pair, prompts, plain)
 def test_sampled_requests_through_length_changes(spec_pair, prompts, plain):
     """Seeded sampled requests (probabilistic drafts, block verification) beside a greedy one: the drafts'
     q of a longer proposal verified by a shorter graph set, and fewer drafts than a longer set holds."""
-    params = [SamplingParams(temperature=1.0, seed=5, max_tokens=28, ignore_eos=True),
-              SamplingParams(temperature=0, max_tokens=28, ignore_eos=True),
-              SamplingParams(temperature=0.8, top_p=0.9, seed=9, max_tokens=28, ignore_eos=True)]
+    params = [SamplingParams(temperature=1.0, seed=5, max_tokens=20, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=9, max_tokens=20, ignore_eos=True)]
     costs = Costs()
     llm = _adaptive(spec_pair, costs, draft_sample_method="probabilistic", rejection_sample_method="block")
-    got, _, _ = _drive(llm, list(zip(prompts, params)), {2: _flip(costs, "short"), 12: _flip(costs, "long")})
+    got, _, _ = _drive(llm, list(zip(prompts, params)), {2: _flip(costs, "short"), 9: _flip(costs, "long")})
     eng = llm.engine
-    assert all(len(got[f"req-{i}"].token_ids) == 28 for i in range(3))
+    assert all(len(got[f"req-{i}"].token_ids) == 20 for i in range(3))
     steps = eng.spec_stats.length_steps
     assert steps.get(1, 0) >= 2 and steps.get(4, 0) >= 2, steps
-    assert got["req-1"].token_ids == plain[1][:28]  # the greedy request is still the argmax chain
+    assert got["req-1"].token_ids == plain[1][:20]  # the greedy request is still the argmax chain
     eng.kv.check_integrity()
     assert not eng.runner.draft_probs  # nothing left behind for finished requests
