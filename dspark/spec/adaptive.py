@@ -10,8 +10,10 @@ of a step the same q = 1 + N rows, so here N is one number for the whole batch, 
     Θ(N) = Σ_r (1 + Σ_{j ≤ N} a_{r,j}) / t(N, B)
 
 with a_{r,j} the estimated probability that request r's first j drafts are all accepted (the product of
-the conditional acceptances up to j) and t(N, B) the step time of the graphs for N drafts at the padded
-batch size of B requests, profiled at start-up (``StepGraphs.profile``). The acceptance estimates are the
+the conditional acceptances up to j) and t(N, B) the time of a step verifying N drafts for B requests:
+the graphs' GPU time, profiled at start-up (``StepGraphs.profile``), against the host's time per step,
+learnt from the read-backs (``VerifyLengthPolicy``: a pipelined step waits for the slower of the two).
+The acceptance estimates are the
 measured per-position conditional acceptance of recent steps (``AcceptanceEstimate``), kept apart for
 greedy and sampled requests; the drafter's confidence head is not read (the graphs do not compute it:
 with one N for the batch, per-request confidences would only be summed anyway; a ragged per-request
