@@ -226,10 +226,11 @@ class ModelRunner:
     def step_time(self, n: int, batch: int, sampled: bool) -> float:
         """Profiled seconds per step verifying n drafts for ``batch`` requests (the smallest profiled
         batch size that holds them, else the largest)."""
+        from dspark.engine.cuda_graphs import _pick
+
         table = self.step_times[n]
         sizes = sorted({b for b, _ in table})
-        b = next((x for x in sizes if x >= batch), sizes[-1])
-        return table[(b, sampled)]
+        return table[(_pick(sizes, batch) or sizes[-1], sampled)]
 
     def use_verify_length(self, n: int) -> None:
         """Verify (and draft) n drafts per request from the next step on: the graph set for n. Only

@@ -120,3 +120,15 @@ def test_policy_learns_whether_the_host_or_the_gpu_bounds_a_step():
     pol.observe_step(7, 100, False, 0.1, 0.0)  # a 100 ms pause of the process: left out
     assert pol.host[128] == pytest.approx((1.2e-3, 0.33e-3))
     assert 64 not in pol.host  # learnt per batch-size bucket
+
+
+def test_runner_step_time_takes_the_smallest_profiled_batch_that_holds_the_batch():
+    """ModelRunner.step_time over a profile table (StepGraphs.profile's shape; on a GPU only otherwise)."""
+    from types import SimpleNamespace
+
+    from dspark.engine.runner import ModelRunner
+
+    table = {(b, s): b * (2.0 if s else 1.0) for b in (1, 8, 32) for s in (False, True)}
+    runner = SimpleNamespace(step_times={3: table})
+    assert [ModelRunner.step_time(runner, 3, b, False) for b in (1, 2, 8, 9, 32, 40)] == [1, 8, 8, 32, 32, 32]
+    assert ModelRunner.step_time(runner, 3, 5, True) == 16.0
