@@ -29,8 +29,10 @@ Writes OUT_DIR/continuous_profile.json and prints a summary.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
 import json
+import pstats
 import sys
 import time
 from collections import defaultdict
@@ -58,7 +60,7 @@ def _sync() -> None:
 
 
 def profile_system(llm: LLM, prompts: list[list[int]], batch: int, max_tokens: int, sync: bool,
-                   temperature: float = 0.0) -> dict:
+                   temperature: float = 0.0, cprofile: int = 0) -> dict:
     """Every ``engine.step()`` is timed (device-synchronised before and after when ``sync``) and filed under
     what it ran: ``execute:graph|split|eager`` (a synchronous step, classified), ``launch_spec`` /
     ``launch`` (a DSpark / plain step launched for async scheduling; its tokens are read back in the next
@@ -94,13 +96,13 @@ def profile_system(llm: LLM, prompts: list[list[int]], batch: int, max_tokens: i
         count(sched.scheduled)
         return saved["launch"](sched, kv, prev)
 
-    def step():
+    def step(**kw):  # final_only (LLM.generate)
         current.clear()
         rows.clear()
         if sync:
             _sync()
         t0 = time.perf_counter()
-        out = saved_step()
+        out = saved_step(**kw)
         if sync:
             _sync()
         dt = time.perf_counter() - t0
@@ -143,8 +145,13 @@ def profile_system(llm: LLM, prompts: list[list[int]], batch: int, max_tokens: i
         p = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True)
         gc.collect()
         _sync()
+        prof = cProfile.Profile() if cprofile else None
         t0 = time.perf_counter()
+        if prof is not None:
+            prof.enable()
         outs = llm.generate(prompts, p)
+        if prof is not None:
+            prof.disable()
         _sync()
         wall = time.perf_counter() - t0
     finally:
@@ -162,10 +169,18 @@ def profile_system(llm: LLM, prompts: list[list[int]], batch: int, max_tokens: i
                        "prefill_tokens": int(st["prefill_tokens"])}
     calls = sum(v["calls"] for v in kinds.values())
     _OUTPUTS[(id(llm), sync)] = [list(o.token_ids) for o in outs]
+    top = None
+    if prof is not None:  # own (tottime) and cumulative ms per step call of the top functions (cProfile slows
+        # the host, so compare these with each other, not with the unprofiled pass's wall time)
+        st = pstats.Stats(prof)
+        rows_ = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:cprofile]
+        top = [{"fn": f"{Path(f).name}:{line}:{name}", "ncalls": nc, "own_ms_per_step": round(1e3 * tt / max(calls, 1), 4),
+                "cum_ms_per_step": round(1e3 * ct / max(calls, 1), 4)} for (f, line, name), (cc, nc, tt, ct, _) in rows_]
     return {"sync": sync, "tokens": n, "wall_s": round(wall, 3), "tok_s": round(n / wall, 1), "step_calls": calls,
             "ms_per_call": round(1e3 * wall / max(calls, 1), 3),
             "step_share": round(sum(v["total_s"] for v in kinds.values()) / wall, 3), "kinds": kinds,
-            "host_ms_per_step_call": {k: round(1e3 * v / max(calls, 1), 3) for k, v in sorted(timers.items(), key=lambda kv: -kv[1])}}
+            "host_ms_per_step_call": {k: round(1e3 * v / max(calls, 1), 3) for k, v in sorted(timers.items(), key=lambda kv: -kv[1])},
+            **({"cprofile_top": top} if top else {})}
 
 
 _OUTPUTS: dict = {}  # (id(llm), sync) -> token ids per prompt, for the cross-system agreement count
@@ -189,6 +204,8 @@ def main() -> None:
                          "(dspark-eager-prefill: graph_prefill_tokens=0, admissions' prefill eager as before "
                          "session 16; dspark-sync-admit: admissions never launched on top of the step in "
                          "flight, LLMEngine.admit_on_top=False, as before session 20)")
+    ap.add_argument("--cprofile", type=int, default=0, metavar="N",
+                    help="a third pass under cProfile: the N functions of most own time, ms per step call")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -217,6 +234,9 @@ def main() -> None:
         gc.freeze()  # the engine out of the collector's sight while it runs, as dspark bench / serve do
         row = {"async": profile_system(llm, prompts, a.batch, a.max_tokens, sync=False, temperature=a.temperature),
                "synced": profile_system(llm, prompts, a.batch, a.max_tokens, sync=True, temperature=a.temperature)}
+        if a.cprofile:
+            row["cprofile"] = profile_system(llm, prompts, a.batch, a.max_tokens, sync=False, temperature=a.temperature,
+                                             cprofile=a.cprofile)
         if spec:
             row["tau"] = round(llm.engine.spec_stats.tau, 3)
         tokens[name] = _OUTPUTS.pop((id(llm), False))
