@@ -17,25 +17,41 @@ class SpecStats:
     num_steps: int = 0
     num_drafts: int = 0
     num_accepted: int = 0
-    reached: list[int] = field(default_factory=list)
-    accepted_at: list[int] = field(default_factory=list)
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
     # engine steps that verified drafts, by the number of drafts the step's graphs verify per request
     # (adaptive verification changes it: spec/adaptive.py); the engine's aggregate only
     length_steps: dict[int, int] = field(default_factory=dict)
+    # verification steps by (drafts verified, drafts accepted): ``record`` runs for every request at every
+    # step (twice: the engine's aggregate and the request's own), so it only counts; the per-position
+    # figures are derived from this when read
+    by_outcome: dict[tuple[int, int], int] = field(default_factory=dict)
 
     def record(self, num_drafts: int, num_accepted: int) -> None:
         self.num_steps += 1
         self.num_drafts += num_drafts
         self.num_accepted += num_accepted
-        need = max(num_drafts, len(self.reached))
-        self.reached += [0] * (need - len(self.reached))
-        self.accepted_at += [0] * (need - len(self.accepted_at))
-        for k in range(min(num_accepted + 1, num_drafts)):
-            self.reached[k] += 1
-        for k in range(num_accepted):
-            self.accepted_at[k] += 1
+        key = (num_drafts, num_accepted)
+        h = self.by_outcome
+        h[key] = h.get(key, 0) + 1
+
+    @property
+    def reached(self) -> list[int]:
+        """Steps that reached position k (verified at least k + 1 drafts and accepted the first k)."""
+        out = [0] * max((n for n, _ in self.by_outcome), default=0)
+        for (n, a), c in self.by_outcome.items():
+            for k in range(min(a + 1, n)):
+                out[k] += c
+        return out
+
+    @property
+    def accepted_at(self) -> list[int]:
+        """Steps whose draft at position k was accepted."""
+        out = [0] * max((n for n, _ in self.by_outcome), default=0)
+        for (n, a), c in self.by_outcome.items():
+            for k in range(a):
+                out[k] += c
+        return out
 
     @property
     def tau(self) -> float | None:
@@ -52,7 +68,7 @@ class SpecStats:
             "spec_num_drafts": self.num_drafts,
             "spec_num_accepted": self.num_accepted,
             "spec_acceptance_rate": self.num_accepted / self.num_drafts if self.num_drafts else None,
-            "spec_accepted_per_position": list(self.accepted_at),
+            "spec_accepted_per_position": self.accepted_at,
             "spec_conditional_acceptance": self.conditional_acceptance,
             "spec_draft_time_s": self.draft_time_s,
             "spec_verify_time_s": self.verify_time_s,
