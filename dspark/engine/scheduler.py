@@ -208,13 +208,10 @@ class Scheduler:
             req.spec_token_ids = []
             if req.stats.first_token_time is None:
                 req.stats.first_token_time = time.perf_counter()
-            for t in toks:
-                req.token_ids.append(t)
-                reason = self._check_stop(req, t)
-                if reason is not None:
-                    self.finish(req, *reason)
-                    finished.append(req)
-                    break
+            reason = self._append_checked(req, toks)
+            if reason is not None:
+                self.finish(req, *reason)
+                finished.append(req)
             self.kv.commit(req)  # after appending: accepted drafts are committed tokens now
         return finished
 
@@ -332,6 +329,20 @@ class Scheduler:
             else:
                 self.kv.commit(req)
         return applied
+
+    def _append_checked(self, req: Request, toks: list[int]) -> tuple[str, int | None] | None:
+        """Append a step's emitted tokens to ``req`` up to the first that ends it (``_check_stop`` for each
+        token, with the length limits worked out once: this runs for every request at every step)."""
+        p = req.params
+        left = min(p.max_tokens - req.num_output_tokens, self.config.max_model_len - req.num_real_tokens)
+        eos, stop_ids, ids = req.eos_token_ids, p.stop_token_ids, req.token_ids
+        for i, t in enumerate(toks, 1):
+            ids.append(t)
+            if t in eos or t in stop_ids:
+                return "stop", t
+            if i >= left:
+                return "length", None
+        return None
 
     def _check_stop(self, req: Request, token: int) -> tuple[str, int | None] | None:
         p = req.params
