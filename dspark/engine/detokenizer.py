@@ -177,6 +177,37 @@ class IncrementalDetokenizer:
             return self._emit(r, text)
         return self._update_window(r, end)
 
+    def flush(self) -> str | None:
+        """The last update of a request that has ended: every token since the last emitted text decoded
+        in one window, and where that window ends inside a character (U+FFFD), the longest run of whole
+        tokens that does not is taken. So an unfinished last character is left out but the whole
+        characters before it are not (per-step updates hold back a step's tokens together), and a
+        request whose per-step updates were skipped (LLMEngine._apply: final outputs only, no stop
+        strings) gets its text in one go. Returns the stop string that matched, else None."""
+        if self.tokenizer is None:
+            return None
+        r = self.request
+        end = r.num_real_tokens
+        if end <= self.read_offset:  # nothing since the last emitted text
+            return None
+        if self._stream is not None:  # the stream would hold back all of it for an unfinished last character
+            self._stream = None
+            self._prefix_text = None
+            self.mode = "rust_window"
+        ids = r.token_ids
+        prefix_text = self._prefix_text
+        if prefix_text is None:
+            prefix_text = self._decode(ids[self.prefix_offset:self.read_offset])
+        self._fed = end
+        for j in range(end, self.read_offset, -1):
+            new_text = self._decode(ids[self.prefix_offset:j])
+            if len(new_text) > len(prefix_text) and not new_text.endswith(_REPLACEMENT):
+                self.prefix_offset, self.read_offset = self.read_offset, j
+                self._prefix_text = None
+                return self._emit(r, new_text[len(prefix_text):])
+        self._prefix_text = prefix_text
+        return None
+
     def _update_window(self, r: Request, end: int) -> str | None:
         ids = r.token_ids
         prefix_text = self._prefix_text

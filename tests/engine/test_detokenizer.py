@@ -378,3 +378,52 @@ def test_stream_error_goes_on_with_the_window_algorithm(tok, chat_prompt):
                 got.append((r.output_text, None))
             assert d.mode == "rust_window"
             assert got == reference(tok, chat_prompt, chunks)
+
+
+# ------------------------------------------------------------------------------------------ flush
+@pytest.mark.parametrize("mode", MODES)
+def test_flush_decodes_every_whole_character(tok, chat_prompt, mode):
+    """``flush`` (a request's last update; final outputs only: the updates of its last steps skipped,
+    then one flush) ends with the full decode of the output without an unfinished last character, so
+    it keeps the whole characters of a last step whose tokens end inside one (per-step updates hold
+    back the step's tokens together): text, special tokens, characters spelled in single-byte tokens,
+    outputs ending inside a character."""
+    rng = random.Random(7 + MODES.index(mode))
+    vocab, m = tok.get_vocab(), _bytes_to_unicode()
+    byte_id = {b: vocab[m[b]] for b in range(256) if m[b] in vocab}
+    words = [tok.encode(" " + w) for s in TEXTS for w in s.split() if FFFD not in w]  # whole characters each
+    chars = [c for c in "€本赭é🎉中ÿ한" if all(b in byte_id for b in c.encode())]
+    assert len(chars) >= 6
+    unfinished = recovered = 0
+    for i in range(80):
+        ids = []
+        for _ in range(rng.randint(1, 30)):
+            kind = rng.random()
+            if kind < 0.25:
+                ids += [byte_id[b] for b in rng.choice(chars).encode()]
+            elif kind < 0.35:
+                ids.append(rng.randrange(17))  # special tokens
+            else:
+                ids += rng.choice(words)
+        whole = tok.decode(ids, skip_special_tokens=True)
+        assert not whole.endswith(FFFD)
+        if i % 3 == 0:  # the output ends inside a character: its bytes are held back
+            c = rng.choice([c for c in chars if len(c.encode()) > 2]).encode()
+            ids += [byte_id[b] for b in c[:rng.randint(1, len(c) - 1)]]
+            unfinished += 1
+        chunks = random_chunks(rng, ids)
+        k = rng.randint(0, len(chunks))
+        rest = [t for c in chunks[k:] for t in c]
+        per_step = reference(tok, chat_prompt, chunks)[-1][0]
+        assert whole.startswith(per_step)
+        recovered += per_step != whole  # the per-step updates held back whole characters
+        r = Request("r", chat_prompt, SamplingParams(), 0, ())
+        d = make(tok, r, mode)
+        for chunk in chunks[:k]:  # per-step updates up to some step, ...
+            r.token_ids.extend(chunk)
+            d.update()
+        r.token_ids.extend(rest)  # ... the rest skipped ...
+        assert d.flush() is None  # ... and decoded at the end
+        assert r.output_text == whole, (ids, chunks, k)
+        assert d.flush() is None and r.output_text == whole  # nothing new: nothing changes
+    assert unfinished >= 20 and recovered >= 10
