@@ -23,6 +23,7 @@ call, rows, verification rows, prefill tokens.
 
 Usage (GPU; the real model needs the GGUF, DSPARK_SMOLLM2_GGUF or the embedded default):
     python benchmarks/gpu_continuous_profile.py OUT_DIR [--prompt-source FILE] [--batch 32] [--prompts 128]
+        [--temperature T] [--systems plain,dspark] [--cprofile N] [--torch-trace P]
 Writes OUT_DIR/continuous_profile.json and prints a summary.
 """
 
@@ -186,6 +187,58 @@ def profile_system(llm: LLM, prompts: list[list[int]], batch: int, max_tokens: i
 _OUTPUTS: dict = {}  # (id(llm), sync) -> token ids per prompt, for the cross-system agreement count
 
 
+def torch_trace(llm: LLM, prompts: list[list[int]], max_tokens: int, temperature: float, trace_file: Path | None,
+                top: int = 25) -> dict:
+    """One generate() under torch.profiler (CPU + CUDA activities), for the question a host-side profile
+    cannot answer: is the GPU busy (GPU-bound) or waiting for the host? ``gpu_busy_share``: the kernels'
+    device time (one stream, so they do not overlap) over the wall time; the CUDA runtime calls with their
+    host time (cudaGraphLaunch, cudaEventSynchronize / cudaStreamSynchronize: the host waiting, a pageable
+    cudaMemcpy: a hidden wait); the torch ops of most host time. The profiler slows the host (a few us per
+    op), so the busy share is a lower bound; compare its tok/s with the unprofiled pass's."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    p = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True)
+    gc.collect()
+    _sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, p)
+        _sync()
+        wall = time.perf_counter() - t0
+    ka = prof.key_averages()
+
+    def dev_us(e) -> float:
+        return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+
+    kernels = [e for e in ka if e.device_type == DeviceType.CUDA]
+    busy_us = sum(dev_us(e) for e in kernels)
+    runtime = sorted((e for e in ka if e.device_type == DeviceType.CPU and e.key.startswith("cuda")),
+                     key=lambda e: -e.cpu_time_total)
+    ops = sorted((e for e in ka if e.device_type == DeviceType.CPU and not e.key.startswith("cuda")),
+                 key=lambda e: -e.self_cpu_time_total)
+    n = sum(len(o.token_ids) for o in outs)
+    res = {"tokens": n, "wall_s": round(wall, 3), "tok_s": round(n / wall, 1), "gpu_busy_s": round(busy_us / 1e6, 3),
+           "gpu_busy_share": round(busy_us / 1e6 / wall, 3),
+           "cuda_runtime": [{"name": e.key, "calls": e.count, "host_ms": round(e.cpu_time_total / 1e3, 2)}
+                            for e in runtime[:12]],
+           "top_kernels": [{"name": e.key[:90], "calls": e.count, "device_ms": round(dev_us(e) / 1e3, 2)}
+                           for e in sorted(kernels, key=lambda e: -dev_us(e))[:top]],
+           "top_host_ops": [{"name": e.key[:90], "calls": e.count, "self_host_ms": round(e.self_cpu_time_total / 1e3, 2)}
+                            for e in ops[:top]]}
+    if trace_file is not None:
+        import gzip
+        import shutil
+
+        raw = trace_file.with_suffix("")
+        prof.export_chrome_trace(str(raw))
+        with open(raw, "rb") as f, gzip.open(trace_file, "wb") as g:
+            shutil.copyfileobj(f, g)
+        raw.unlink()
+        res["trace"] = trace_file.name
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
@@ -206,6 +259,9 @@ def main() -> None:
                          "flight, LLMEngine.admit_on_top=False, as before session 20)")
     ap.add_argument("--cprofile", type=int, default=0, metavar="N",
                     help="a third pass under cProfile: the N functions of most own time, ms per step call")
+    ap.add_argument("--torch-trace", type=int, default=0, metavar="P",
+                    help="a last pass under torch.profiler over P prompts: GPU busy share, CUDA runtime calls, "
+                         "top kernels and host ops; its chrome trace as OUT/trace_SYSTEM.json.gz")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -237,6 +293,9 @@ def main() -> None:
         if a.cprofile:
             row["cprofile"] = profile_system(llm, prompts, a.batch, a.max_tokens, sync=False, temperature=a.temperature,
                                              cprofile=a.cprofile)
+        if a.torch_trace:
+            row["torch_trace"] = torch_trace(llm, prompts[:a.torch_trace], a.max_tokens, a.temperature,
+                                             out / f"trace_{name}.json.gz" if cuda else None)
         if spec:
             row["tau"] = round(llm.engine.spec_stats.tau, 3)
         tokens[name] = _OUTPUTS.pop((id(llm), False))
