@@ -104,7 +104,9 @@ def markov_inputs(B: int, gamma: int, sampling: str, seed: int = 0):
     return base, anchors, anchor_pos + 1, w1, w2_t, batch, [prob] * B
 
 
-def run_markov(batches: list[int], gammas: list[int], rep: int) -> list[dict]:
+def run_markov(batches: list[int], gammas: list[int], rep: int, tiles: list[tuple[int, int]] | None = None) -> list[dict]:
+    """``tiles``: (block_v, num_warps) settings of the fused kernels to time side by side (default: the
+    kernel's own defaults only); the config column then names them."""
     rows = []
     for sampling in SAMPLING:
         for gamma in gammas:
@@ -112,18 +114,22 @@ def run_markov(batches: list[int], gammas: list[int], rep: int) -> list[dict]:
                 base, anchors, key_pos, w1, w2_t, batch, prob = markov_inputs(B, gamma, sampling)
                 prob_mask = torch.tensor(prob, device="cuda")
                 args = (base, anchors, w1, w2_t, batch, key_pos, prob)
-                tok, q = markov_sample(*args, prob_mask=prob_mask)
                 ref_tok, ref_q = markov_sample_reference(*args)
-                match = float((tok == ref_tok).float().mean())
-                qdiff = None if q is None else float((q - ref_q).abs().max())
-                ok = match == 1.0 and (qdiff is None or qdiff <= 1e-5)
                 t_ref = bench(lambda: markov_sample_reference(*args), rep)
-                t_tri = bench(lambda: markov_sample(*args, prob_mask=prob_mask), rep)
-                t_graph = bench_graph(lambda: markov_sample(*args, prob_mask=prob_mask), rep)
-                rows.append(dict(op="markov_sampler", config=sampling, batch=B, gamma=gamma, rows=B,
-                                 ref_ms=t_ref, triton_ms=t_tri, graph_ms=t_graph, speedup=t_ref / t_tri,
-                                 token_match=match, q_max_abs_diff=qdiff, correct=ok))
-                print_row(rows[-1])
+                for tile in tiles or [None]:
+                    kw = {"prob_mask": prob_mask} | ({} if tile is None else {"block_v": tile[0], "num_warps": tile[1]})
+                    tok, q = markov_sample(*args, **kw)
+                    match = float((tok == ref_tok).float().mean())
+                    qdiff = None if q is None else float((q - ref_q).abs().max())
+                    ok = match == 1.0 and (qdiff is None or qdiff <= 1e-5)
+                    t_tri = bench(lambda: markov_sample(*args, **kw), rep)
+                    t_graph = bench_graph(lambda: markov_sample(*args, **kw), rep)
+                    config = sampling if tile is None else f"{sampling} v{tile[0]}w{tile[1]}"
+                    rows.append(dict(op="markov_sampler", config=config, batch=B, gamma=gamma, rows=B,
+                                     ref_ms=t_ref, triton_ms=t_tri, graph_ms=t_graph, speedup=t_ref / t_tri,
+                                     token_match=match, q_max_abs_diff=qdiff, correct=ok,
+                                     **({} if tile is None else {"block_v": tile[0], "num_warps": tile[1]})))
+                    print_row(rows[-1])
     return rows
 
 
@@ -294,11 +300,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="kernel_ops_bench.json", help="JSON results path")
     ap.add_argument("--quick", action="store_true", help="batch 1 and 32, γ 7 only, fewer repetitions")
     ap.add_argument("--only", choices=["markov", "rows", "layers"], help="run one group only")
+    ap.add_argument("--markov-tiles", default=None, metavar="V:W,...",
+                    help="time the Markov sampler at these block_v:num_warps settings side by side, e.g. "
+                         "256:4,1024:4,2048:8 (default: its defaults)")
+    ap.add_argument("--batches", default=None, help="batch sizes, e.g. 32,128 (default: 1,8,32; --quick 1,32)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("kernel_ops_bench needs a CUDA GPU", file=sys.stderr)
         return 2
-    batches = [1, 32] if args.quick else [1, 8, 32]
+    batches = [int(b) for b in args.batches.split(",")] if args.batches else [1, 32] if args.quick else [1, 8, 32]
+    tiles = [tuple(int(x) for x in t.split(":")) for t in args.markov_tiles.split(",")] if args.markov_tiles else None
     gammas = [7] if args.quick else [5, 7]
     rep = 30 if args.quick else 100
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -306,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     print(HEADER)
     rows: list[dict] = []
     if args.only in (None, "markov"):
-        rows += run_markov(batches, gammas, rep)
+        rows += run_markov(batches, gammas, rep, tiles)
     if args.only in (None, "rows"):
         rows += run_rows([1, 8, 32, 256], rep)
     if args.only in (None, "layers"):

@@ -745,6 +745,15 @@ class _RowSettings:
         return dict(BLOCK_V=self.block_v, NT_PAD=self.NT_PAD, CAP=self.cap, SMALL_CAP=self.small_cap, BLOCK_S=1024)
 
 
+# markov_sample's (block_v, num_warps). On the H200 (session 28, benchmarks/kernel_ops_bench.py --only markov
+# --markov-tiles, V = 49,152, gamma = 7, CUDA-graph ms for the whole block) 2048 x 8 warps against the earlier
+# 256 x 4: greedy 0.285 -> 0.167 (B = 32) and 0.838 -> 0.386 (B = 128); T = 1 0.406 -> 0.257 and
+# 1.242 -> 0.647; top-p 0.95 2.02 -> 1.99 and 3.69 -> 2.61; top-k + top-p 0.99 -> 0.74 and 1.96 -> 1.18.
+# Fewer, larger tiles: a row's programs meet at one atomic counter, and its partials are a 24-entry
+# reduction instead of 192. (1024 x 4 was as fast greedy and at T = 1, slower with top-p.)
+MARKOV_TILE_CUDA = (2048, 8)
+MARKOV_TILE_CPU = (256, 4)  # Triton's interpreter: the tests' sizes
+
 # Independent rows (processed_probs / sample_rows): which top-p cuts the radix passes find (_row_threshold's
 # DEFER: 1 those whose candidates overflow the buffer, 2 every one without top-k) and their tile size.
 TOPP_RADIX = 1
@@ -842,9 +851,9 @@ def markov_sample(
     key_positions: Tensor,
     probabilistic: list[bool],
     *,
-    block_v: int = 256,
+    block_v: int | None = None,
     cap: int = 2048,
-    num_warps: int = 4,
+    num_warps: int | None = None,
     prob_mask: Tensor | None = None,
     bias_gemm: bool | None = None,
     probs_out: Tensor | None = None,
@@ -857,7 +866,9 @@ def markov_sample(
     key_positions [B] int64: the position the draft noise is keyed by (anchor position + 1);
     probabilistic: per row, whether it drafts by sampling (else argmax of the logits).
     Returns (tokens [B, N] int64, q [B, N, V] fp32 or None when no row is probabilistic), the same as
-    ``markov_sample_reference``. ``cap`` bounds the sorted candidate buffer of top-k/top-p rows.
+    ``markov_sample_reference``. ``cap`` bounds the sorted candidate buffer of top-k/top-p rows. ``block_v`` / ``num_warps``: the
+    vocabulary tile of one program and its warps (default MARKOV_TILE_CUDA on a GPU, MARKOV_TILE_CPU in
+    Triton's interpreter).
     ``prob_mask``: optionally the same flags as a [B] bool tensor already on the device (saves a
     host-to-device copy, e.g. inside a CUDA graph). ``bias_gemm``: compute each slot's Markov bias
     with one torch GEMM for the whole batch instead of inside the kernel (default: on a GPU from 4 rows
@@ -872,6 +883,9 @@ def markov_sample(
     check_device(base_logits)
     B, N, V = base_logits.shape
     dev = base_logits.device
+    tile = MARKOV_TILE_CUDA if dev.type == "cuda" else MARKOV_TILE_CPU
+    block_v = tile[0] if block_v is None else block_v
+    num_warps = tile[1] if num_warps is None else num_warps
     if base_logits.dtype != torch.float32:
         raise TypeError("base_logits must be float32 (the drafter's lm_head output)")
     if base_logits.stride(-1) != 1:

@@ -110,6 +110,17 @@ def test_greedy_matches_reference(B: int, N: int, V: int) -> None:
     _check([P(temperature=0.0)] * B, [False] * B, N, V, seed=B * 10 + N)
 
 
+def test_the_gpu_tile_matches_reference() -> None:
+    """MARKOV_TILE_CUDA's vocabulary tile (markov_sample's default on a GPU) over a vocabulary of two
+    whole tiles and a partial one: greedy, T = 1, top-p, top-k + top-p rows in one batch."""
+    from dspark.kernels.markov_sampler import MARKOV_TILE_CUDA
+
+    v = MARKOV_TILE_CUDA[0]
+    params = [P(temperature=0.0), P(temperature=1.0), P(temperature=0.7, top_p=0.95),
+              P(temperature=0.7, top_k=20, top_p=0.8)]
+    _check(params, [False, True, True, True], 5, 2 * v + 904, seed=11, block_v=v, cap=256)
+
+
 def test_greedy_drafting_of_random_rows_is_argmax() -> None:
     # draft_sample_method "greedy": rows with temperature > 0 still draft by argmax, q is None.
     _check([P(temperature=0.8, top_k=5), P(temperature=1.0)], [False, False], 5, 1000, seed=3)
