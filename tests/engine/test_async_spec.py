@@ -56,13 +56,13 @@ def test_greedy_dspark_pipeline_runs_up_to_max_tokens(spec_pair, prompts):
     """A greedy request keeps full verification blocks up to max_tokens (ModelRunner._num_drafts; the
     tokens past it are dropped), so async scheduling goes on launching blocks while a request is within
     3q tokens of its max_tokens (Scheduler.schedule_on_top), where it used to fall back to synchronous
-    steps for the whole batch. Tokens and finish reasons equal the synchronous engine's and those
-    without speculation; every output stops exactly at max_tokens."""
+    steps for the whole batch. Tokens and text equal those without speculation (greedy DSpark is
+    lossless; a synchronous DSpark run as a second reference only repeated that, at a third of the
+    test's time); every output stops exactly at max_tokens."""
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (21, 30, 39)]
     reqs = list(zip(prompts, params))
     plain = LLM(str(spec_pair[0]), device="cpu", block_size=4, num_kv_blocks=128, attention_backend="triton",
                 max_num_seqs=4).generate(prompts, params)
-    want, _, _ = _drive(_spec_llm(spec_pair, False), reqs)
     llm = _spec_llm(spec_pair, True)
     sched, q = llm.engine.scheduler, llm.engine.runner.graphs.q
     calls = []
@@ -76,8 +76,7 @@ def test_greedy_dspark_pipeline_runs_up_to_max_tokens(spec_pair, prompts):
 
     sched.schedule_on_top = recording
     got, _, _ = _drive(llm, reqs)
-    assert _summary(got) == _summary(want)
-    assert [got[f"req-{i}"].token_ids for i in range(3)] == [o.token_ids for o in plain]
+    assert [(got[f"req-{i}"].token_ids, got[f"req-{i}"].text) for i in range(3)] == [(o.token_ids, o.text) for o in plain]
     assert [len(got[f"req-{i}"].token_ids) for i in range(3)] == [21, 30, 39]
     assert all(got[f"req-{i}"].finish_reason == "length" for i in range(3))
     assert q == 5 and any(ok and near for ok, near in calls), calls  # pipelined within 3q of max_tokens

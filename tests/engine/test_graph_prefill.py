@@ -30,8 +30,8 @@ PARAMS = [
 
 
 def _run(spec_pair, reqs, monkeypatch, mode: str, seats: int = 2, **kw):
-    """mode: "graph" (prefill rows), "split" (graph verification + eager prefill), "eager" (mixed steps
-    wholly eager). Returns (summary, (drafts, accepted), (steps given prefill rows by _graph_prefill, steps
+    """mode: "graph" (prefill rows), "split" (graph verification + eager prefill, ModelRunner._split:
+    asserted to split at least two mixed steps), "eager" (mixed steps wholly eager). Returns (summary, (drafts, accepted), (steps given prefill rows by _graph_prefill, steps
     with prefill rows launched on top of the one in flight by Scheduler.schedule_on_top))."""
     t, d = spec_pair
     llm = LLM(str(t), device="cpu", block_size=4, attention_backend="triton", max_num_seqs=4,
@@ -41,12 +41,14 @@ def _run(spec_pair, reqs, monkeypatch, mode: str, seats: int = 2, **kw):
     runner.enable_graphs(capture=False, batch_sizes=[2, 4, 8, 16], buckets=[64, 128])
     runner.split_mixed_steps = mode == "split"
     llm.engine.scheduler.max_num_seqs = seats  # admissions mid-stream
-    used = []
-    orig = ModelRunner._graph_prefill
+    used, splits = [], []
+    orig, orig_split = ModelRunner._graph_prefill, ModelRunner._split
     monkeypatch.setattr(ModelRunner, "_graph_prefill", lambda self, sc: used.append(orig(self, sc)) or used[-1])
+    monkeypatch.setattr(ModelRunner, "_split", lambda self, sc: splits.append(orig_split(self, sc)) or splits[-1])
     got, _, _ = _drive(llm, reqs)
     llm.engine.kv.check_integrity()
     assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_usable_blocks  # no block leaked (cached ones are free)
+    assert (sum(splits) >= 2) == (mode == "split")  # mixed steps really split, in that mode only
     st = llm.engine.spec_stats
     return _summary(got), (st.num_drafts, st.num_accepted), (sum(used), runner.graphs.stats["async_admit"])
 
@@ -55,7 +57,7 @@ def _run(spec_pair, reqs, monkeypatch, mode: str, seats: int = 2, **kw):
 def test_prefill_rows_match_the_eager_paths(spec_pair, prompts, monkeypatch, kw):
     reqs = list(zip(prompts + prompts[:2], PARAMS))
     want, want_acc, n0 = _run(spec_pair, reqs, monkeypatch, "eager", **kw)
-    if not kw:  # the split step once (chunking does not change it; also test_one_sync_sampled): suite time
+    if not kw:  # the split step (graph verification rows + an eager prefill sub-step) once: suite time
         split, split_acc, n1 = _run(spec_pair, reqs, monkeypatch, "split", **kw)
         assert split == want and split_acc == want_acc and n1 == (0, 0)
     got, acc, n = _run(spec_pair, reqs, monkeypatch, "graph", **kw)

@@ -118,29 +118,3 @@ def test_draft_q_shares_the_proposal_when_rows_are_in_order():
     q2 = runner._draft_q([R("b"), R("a"), R("x")], drafts, 4, 10)  # out of order, one greedy request
     assert torch.equal(q2[0], src[1]) and torch.equal(q2[1], src[0])
     assert torch.equal(q2[2], torch.nn.functional.one_hot(drafts[2], 10).float())
-
-
-def test_mixed_prefill_steps_split_into_graph_and_eager_halves(spec_pair, prompts, monkeypatch):
-    """Continuous batching with DSpark: a request admitted while others verify makes a step that mixes
-    its prefill rows with verification rows; the runner runs those as two sub-steps (the verification
-    rows as a graph step, the prefill eagerly). Tokens, finish reasons and acceptance equal the
-    whole-step eager path's (split_mixed_steps False), greedy and seeded-sampled requests alike."""
-    from dspark.engine.runner import ModelRunner
-
-    reqs = list(zip(prompts + prompts[:1], PARAMS["mixed"] + PARAMS["sampled"][1:2]))
-
-    def run(split: bool):
-        llm = _llm(spec_pair, True, graph_prefill_tokens=0)  # no prefill rows (tests/engine/test_graph_prefill.py)
-        llm.engine.runner.split_mixed_steps = split
-        llm.engine.scheduler.max_num_seqs = 2  # 4 requests through 2 slots: admissions mid-stream
-        splits = []
-        orig = ModelRunner._split
-        monkeypatch.setattr(ModelRunner, "_split", lambda self, sc: splits.append(orig(self, sc)) or splits[-1])
-        got, _, _ = _drive(llm, reqs)
-        st = llm.engine.spec_stats
-        return _summary(got), (st.num_drafts, st.num_accepted), sum(splits)
-
-    want, want_acc, n_ref = run(False)
-    got, acc, n_split = run(True)
-    assert got == want and acc == want_acc
-    assert n_ref == 0 and n_split >= 2  # mixed steps really split
