@@ -105,11 +105,11 @@ def run(system: str, a, prompts_text: list[str]) -> dict:
 
     spec = default_speculative_config(None) if system == "dspark" else None
     spec = json.loads(spec) if isinstance(spec, str) else spec
-    # a step budget of graph_prefill_tokens: every prefill chunk fits the graphs' prefill rows, so no step runs
+    # a step budget of graph_prefill_tokens (or a whole batch of blocks, at large batch): prefill chunks fit the graphs' prefill rows, so few steps run
     # eagerly (the eager forward would run the real model on interpreted Triton kernels: minutes per step)
     llm = LLM(None, device="cpu", dtype="float32", max_model_len=2048, max_num_seqs=a.batch, num_kv_blocks=4096,
               enable_prefix_caching=False, attention_backend="triton", async_scheduling=True,
-              max_num_batched_tokens=512, graph_prefill_tokens=512, speculative_config=spec)
+              max_num_batched_tokens=max(512, 8 * a.batch + 256), graph_prefill_tokens=512, speculative_config=spec)
     runner = llm.engine.runner
     runner.enable_graphs(capture=False)
     runner.one_sync_sampled = True

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from functools import cached_property
 from typing import Any
 
 
@@ -34,6 +35,17 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # number of top log-probabilities to return per token (0 = sampled only)
 
+    # The flags derived from the fields (greedy, penalized, ...) are cached_property: the engine reads them
+    # several times per request per step (~0.3 ms of a batch-128 DSpark step's host time as properties).
+    # Setting any field drops them, so a changed object never answers from the old values.
+    _DERIVED = ("greedy", "penalized", "greedy_plain", "device_verifiable")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+        d = self.__dict__
+        for k in SamplingParams._DERIVED:
+            d.pop(k, None)
+
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
@@ -49,22 +61,22 @@ class SamplingParams:
             raise InvalidRequestError(f"unknown sampling parameter(s): {', '.join(unknown)}")
         return cls(**d)
 
-    @property
+    @cached_property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    @property
+    @cached_property
     def penalized(self) -> bool:
         """Repetition, frequency or presence penalty: the distribution depends on the tokens so far."""
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
-    @property
+    @cached_property
     def greedy_plain(self) -> bool:
         """Greedy and needing nothing from the logits but their argmax (no penalties, no logprobs): its
         tokens are the target's argmax chain whatever speculation drafts (ModelRunner._num_drafts)."""
         return self.greedy and self.device_verifiable
 
-    @property
+    @cached_property
     def device_verifiable(self) -> bool:
         """No penalties (they count output tokens the host would have to upload) and no logprobs (read
         from the logits on the host): DSpark can verify its drafts on the device, in one-sync steps

@@ -440,9 +440,13 @@ class LLMEngine:
         self.spec_stats.draft_time_s += result.draft_time_s
         self.spec_stats.verify_time_s += result.verify_time_s
         pol = self.verify_policy
+        per_req = self._req_spec
         for rid, (n, a) in result.verified.items():
             self.spec_stats.record(n, a)
-            self._req_spec.setdefault(rid, SpecStats()).record(n, a)
+            st = per_req.get(rid)
+            if st is None:  # (not setdefault: that builds a SpecStats for every request at every step)
+                st = per_req[rid] = SpecStats()
+            st.record(n, a)
             if pol is not None and rid in self.requests:
                 pol.estimate.observe(not self.requests[rid].params.greedy, n, a)
         if result.verified:

@@ -135,8 +135,14 @@ class Request:
         return len(self.token_ids) + len(self.spec_token_ids)
 
     @property
-    def is_finished(self) -> bool:
-        return self.status is RequestStatus.FINISHED
+    def status(self) -> RequestStatus:
+        return self._status
+
+    @status.setter
+    def status(self, value: RequestStatus) -> None:
+        self._status = value
+        # an attribute, not a property: read several times per request per step
+        self.is_finished = value is RequestStatus.FINISHED
 
     def __repr__(self) -> str:
         return (
