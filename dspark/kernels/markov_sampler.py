@@ -866,9 +866,9 @@ def markov_sample(
     key_positions [B] int64: the position the draft noise is keyed by (anchor position + 1);
     probabilistic: per row, whether it drafts by sampling (else argmax of the logits).
     Returns (tokens [B, N] int64, q [B, N, V] fp32 or None when no row is probabilistic), the same as
-    ``markov_sample_reference``. ``cap`` bounds the sorted candidate buffer of top-k/top-p rows. ``block_v`` / ``num_warps``: the
-    vocabulary tile of one program and its warps (default MARKOV_TILE_CUDA on a GPU, MARKOV_TILE_CPU in
-    Triton's interpreter).
+    ``markov_sample_reference``. ``cap`` bounds the sorted candidate buffer of top-k/top-p rows.
+    ``block_v`` / ``num_warps``: the vocabulary tile of one program and its warps (default
+    MARKOV_TILE_CUDA on a GPU, MARKOV_TILE_CPU in Triton's interpreter).
     ``prob_mask``: optionally the same flags as a [B] bool tensor already on the device (saves a
     host-to-device copy, e.g. inside a CUDA graph). ``bias_gemm``: compute each slot's Markov bias
     with one torch GEMM for the whole batch instead of inside the kernel (default: on a GPU from 4 rows
