@@ -33,8 +33,8 @@ class ScheduledRequest:
     @property
     def samples(self) -> bool:
         """Whether this step reaches the end of the known tokens, so logits are needed."""
-        r = self.request
-        return self.on_top or r.num_computed_tokens + self.num_tokens >= r.num_tokens_with_spec
+        r = self.request  # (num_tokens_with_spec written out: this is read several times per request per step)
+        return self.on_top or r.num_computed_tokens + self.num_tokens >= len(r.token_ids) + len(r.spec_token_ids)
 
 
 @dataclass
@@ -279,7 +279,8 @@ class Scheduler:
                 end = req.num_tokens + q  # the prompt's last chunk: its first token starts the next block
             else:
                 return None
-            near_max_tokens = req.num_output_tokens + 3 * q >= req.params.max_tokens
+            # num_output_tokens written out (no pending tokens here)
+            near_max_tokens = len(req.token_ids) - len(req.prompt_token_ids) + 3 * q >= req.params.max_tokens
             if (near_max_tokens and not req.params.device_verifiable) or end + q >= self.config.max_model_len:
                 return None
             need += max(0, self.kv.blocks_needed(end) - len(self.kv.block_ids(req.request_id)))
@@ -334,8 +335,9 @@ class Scheduler:
         """Append a step's emitted tokens to ``req`` up to the first that ends it (``_check_stop`` for each
         token, with the length limits worked out once: this runs for every request at every step)."""
         p = req.params
-        left = min(p.max_tokens - req.num_output_tokens, self.config.max_model_len - req.num_real_tokens)
         eos, stop_ids, ids = req.eos_token_ids, p.stop_token_ids, req.token_ids
+        n_real = len(ids) - req.num_pending  # num_real_tokens (and num_output_tokens below), written out
+        left = min(p.max_tokens - (n_real - len(req.prompt_token_ids)), self.config.max_model_len - n_real)
         for i, t in enumerate(toks, 1):
             ids.append(t)
             if t in eos or t in stop_ids:
