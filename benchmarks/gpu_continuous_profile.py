@@ -269,7 +269,7 @@ def main() -> None:
 
     res: dict = {"gpu": torch.cuda.get_device_name() if a.device == "cuda" else "cpu", "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
                  "batch": a.batch, "prompts": a.prompts, "max_tokens": a.max_tokens, "temperature": a.temperature}
-    texts = heldout_prompts(a.prompts, a.prompt_source)
+    texts = heldout_prompts(2 * a.prompts, a.prompt_source)  # those that fit max_model_len are kept, below
     from dspark.drafters import default_speculative_config
 
     spec = json.loads(a.speculative_config) if a.speculative_config else default_speculative_config(a.model)
@@ -284,7 +284,10 @@ def main() -> None:
                   max_num_seqs=a.batch, kv_cache_memory_gb=16 if cuda else 0.5, enable_prefix_caching=False,
                   speculative_config=spec, graph_prefill_tokens=prefill_tokens)
         llm.engine.admit_on_top = name != "dspark-sync-admit"
-        prompts = [llm.engine.tokenize_chat([{"role": "user", "content": t}]) for t in texts]
+        # the first a.prompts that fit max_model_len with their max_tokens (B = 128's 512 held-out prompts hold
+        # one of 2,100 tokens); the same for every system (one tokenizer)
+        prompts = [x for x in (llm.engine.tokenize_chat([{"role": "user", "content": t}]) for t in texts)
+                   if len(x) + a.max_tokens <= 2048][:a.prompts]
         llm.generate(prompts, SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens, ignore_eos=True))  # warm-up
         gc.collect()
         gc.freeze()  # the engine out of the collector's sight while it runs, as dspark bench / serve do
