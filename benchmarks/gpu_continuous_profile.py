@@ -184,6 +184,7 @@ def profile_system(llm: LLM, prompts: list[list[int]], batch: int, max_tokens: i
             **({"cprofile_top": top} if top else {})}
 
 
+MAX_MODEL_LEN = 2048
 _OUTPUTS: dict = {}  # (id(llm), sync) -> token ids per prompt, for the cross-system agreement count
 
 
@@ -280,14 +281,14 @@ def main() -> None:
     for name in a.systems.split(","):
         spec, prefill_tokens = systems[name]
         cuda = a.device == "cuda"
-        llm = LLM(a.model, device=a.device, dtype="bfloat16" if cuda else "float32", max_model_len=2048,
+        llm = LLM(a.model, device=a.device, dtype="bfloat16" if cuda else "float32", max_model_len=MAX_MODEL_LEN,
                   max_num_seqs=a.batch, kv_cache_memory_gb=16 if cuda else 0.5, enable_prefix_caching=False,
                   speculative_config=spec, graph_prefill_tokens=prefill_tokens)
         llm.engine.admit_on_top = name != "dspark-sync-admit"
         # the first a.prompts that fit max_model_len with their max_tokens (B = 128's 512 held-out prompts hold
         # one of 2,100 tokens); the same for every system (one tokenizer)
         prompts = [x for x in (llm.engine.tokenize_chat([{"role": "user", "content": t}]) for t in texts)
-                   if len(x) + a.max_tokens <= 2048][:a.prompts]
+                   if len(x) + a.max_tokens <= MAX_MODEL_LEN][:a.prompts]
         llm.generate(prompts, SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens, ignore_eos=True))  # warm-up
         gc.collect()
         gc.freeze()  # the engine out of the collector's sight while it runs, as dspark bench / serve do

@@ -194,31 +194,23 @@ class IncrementalDetokenizer:
             self._stream = None
             self._prefix_text = None
             self.mode = "rust_window"
+        return self._update_window(r, end, back_off=True)
+
+    def _update_window(self, r: Request, end: int, back_off: bool = False) -> str | None:
+        """The window algorithm: the text of tokens [read_offset, j) as the window [prefix_offset, j) decodes
+        it past [prefix_offset, read_offset), for j = end, or (``back_off``) the largest j <= end whose
+        window does not end inside a character; nothing while the window ends in U+FFFD."""
         ids = r.token_ids
         prefix_text = self._prefix_text
         if prefix_text is None:
-            prefix_text = self._decode(ids[self.prefix_offset:self.read_offset])
+            prefix_text = self._prefix_text = self._decode(ids[self.prefix_offset:self.read_offset])
         self._fed = end
-        for j in range(end, self.read_offset, -1):
+        for j in range(end, self.read_offset, -1) if back_off else (end,):
             new_text = self._decode(ids[self.prefix_offset:j])
             if len(new_text) > len(prefix_text) and not new_text.endswith(_REPLACEMENT):
                 self.prefix_offset, self.read_offset = self.read_offset, j
                 self._prefix_text = None
                 return self._emit(r, new_text[len(prefix_text):])
-        self._prefix_text = prefix_text
-        return None
-
-    def _update_window(self, r: Request, end: int) -> str | None:
-        ids = r.token_ids
-        prefix_text = self._prefix_text
-        if prefix_text is None:
-            prefix_text = self._prefix_text = self._decode(ids[self.prefix_offset:self.read_offset])
-        new_text = self._decode(ids[self.prefix_offset:end])
-        self._fed = end
-        if len(new_text) > len(prefix_text) and not new_text.endswith(_REPLACEMENT):
-            self.prefix_offset, self.read_offset = self.read_offset, end
-            self._prefix_text = None
-            return self._emit(r, new_text[len(prefix_text):])
         return None
 
     def _emit(self, r: Request, text: str) -> str | None:

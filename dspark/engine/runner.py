@@ -714,15 +714,15 @@ class ModelRunner:
         batching at B = 32 some request is nearly always within a few steps of its end and every step
         of the batch ran synchronously. Requests with logprobs get only the drafts they can use.
         """
-        p = r.params
-        if p.penalized:  # not spec_eligible (this runs per request per step: no helper calls)
+        if not spec_eligible(r):
             return 0
-        num_tokens = len(r.token_ids)
+        p = r.params
+        num_tokens = len(r.token_ids)  # num_tokens / num_output_tokens written out: per request per step
         left = p.max_tokens - (num_tokens - r.num_pending - len(r.prompt_token_ids) + num_emitted)
         if left <= 0:
             return 0
         n = min(self.num_spec_tokens, self.config.max_model_len - num_tokens - num_emitted)
-        return n if p.device_verifiable else min(n, left - 1)
+        return n if _one_sync_params(p) else min(n, left - 1)
 
     # ------------------------------------------------------------------ verification
     def _verify(self, verifying, logits: torch.Tensor, offset: dict[int, int], result: StepResult) -> None:
