@@ -15,7 +15,7 @@ in place (the bucket-friendly launch); a failed check stops the run. Times are C
 do_bench_cudagraph: GPU time without launch overhead, as the engine's captured steps would see it),
 median in microseconds. Prints a table; ``--out`` writes the results as JSON.
 
-Usage: python benchmarks/kernel_attention_bench.py --out out/kernel_attention.json [--quick]
+Usage: python benchmarks/kernel_attention_bench.py --out out/kernel_attention.json [--quick] [--drafter-sweep]
 """
 
 from __future__ import annotations
@@ -121,11 +121,14 @@ def run_paged(configs, dtype, checks, rows) -> None:
         print(label)
         check(f"paged triton vs ref [{label}]", max_err(paged_attention(*common, **hints), ref), 2e-2, checks)
         check(f"paged triton unsplit vs ref [{label}]", max_err(paged_attention(*common, num_splits=1), ref), 2e-2, checks)
+        check(f"paged triton prefetch vs default [{label}]",
+              max_err(paged_attention(*common, **hints, prefetch=True), paged_attention(*common, **hints)), 0.0, checks)
         check(f"torch backend vs ref [{label}]",
               max_err(backend.forward(x["q"], x["k"], x["v"], x["k_cache"], x["v_cache"], meta, SCALE), ref), 2e-2, checks)
         paths = {
             "triton": lambda: paged_attention(*common, **hints),
             "triton_unsplit": lambda: paged_attention(*common, num_splits=1),
+            "triton_prefetch": lambda: paged_attention(*common, **hints, prefetch=True),
             "torch_backend": lambda: backend.forward(x["q"], x["k"], x["v"], x["k_cache"], x["v_cache"], meta, SCALE),
             "sdpa_dense": lambda: F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=SCALE, enable_gqa=True),
         }
@@ -136,7 +139,7 @@ def run_paged(configs, dtype, checks, rows) -> None:
                          "kv_GBps": kv_bytes / us / 1e3, "timed_as": how})
 
 
-def run_drafter(configs, dtype, checks, rows) -> None:
+def run_drafter(configs, dtype, checks, rows, sweep: bool = False) -> None:
     from dspark.kernels.drafter_attention import drafter_attention, drafter_attention_naive, drafter_attention_ref
     from dspark.layers.attention import context_slots
 
@@ -170,9 +173,19 @@ def run_drafter(configs, dtype, checks, rows) -> None:
             "shared_tile_s8": lambda: drafter_attention(**x, num_splits=8),
             "shared_tile_s16": lambda: drafter_attention(**x, num_splits=16),
             "shared_tile_s16_n32": lambda: drafter_attention(**x, num_splits=16, block_n=32),
+            "shared_tile_prefetch": lambda: drafter_attention(**x, max_ctx_len=ctx, prefetch=True),
             "naive": lambda: drafter_attention_naive(**x),
             "torch_sdpa": engine_path,
         }
+        if sweep:  # the shared-tile kernel's tuning space: splits x key tile x warps x prefetch
+            for S in (4, 8, 16):
+                for N in (32, 64, 128):
+                    for W in (4, 8):
+                        for P in (False, True):
+                            kw = dict(num_splits=S, block_n=N, num_warps=W, prefetch=P)
+                            check(f"shared-tile {kw} vs ref [{label}]", max_err(drafter_attention(**x, **kw), ref),
+                                  2e-2, checks)
+                            paths[f"s{S}_n{N}_w{W}{'_pf' if P else ''}"] = lambda kw=kw: drafter_attention(**x, **kw)
         for name, fn in paths.items():
             us, how = time_us(fn)
             rows.append({"kernel": "drafter", "B": B, "gamma": gamma, "ctx": ctx, "path": name, "us": us, "timed_as": how})
@@ -236,22 +249,25 @@ def print_table(rows) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument("--out", type=Path, help="write the results here as JSON")
-    ap.add_argument("--quick", action="store_true", help="fewer shapes (batch 1 and 32, context 1k)")
+    ap.add_argument("--quick", action="store_true",
+                    help="fewer shapes (paged: batch 1 / 32 / 128, context 1k, 1 and 1 + 7 query rows)")
+    ap.add_argument("--drafter-sweep", action="store_true",
+                    help="also time the drafter kernel over split counts x key tiles x warps x prefetch")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("kernel_attention_bench needs a CUDA GPU")
     import triton
 
     dtype = torch.bfloat16
-    batches, contexts = ((1, 32), (1024,)) if args.quick else ((1, 8, 32), (512, 1024, 4096))
-    paged = [(B, ctx, q_len) for q_len in (1, 6) for B in batches for ctx in contexts]
+    batches, contexts, q_lens = ((1, 32, 128), (1024,), (1, 8)) if args.quick else ((1, 8, 32), (512, 1024, 4096), (1, 6))
+    paged = [(B, ctx, q_len) for q_len in q_lens for B in batches for ctx in contexts]
     drafter = [(B, gamma, 1000) for B in (1, 12) for gamma in (5, 7)]
     checks: list = []
     rows: list = []
     fp32_checks(checks)
     graph_replay_checks(checks)
     run_paged(paged, dtype, checks, rows)
-    run_drafter(drafter, dtype, checks, rows)
+    run_drafter(drafter, dtype, checks, rows, sweep=args.drafter_sweep)
     print_table(rows)
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
            "dtype": "bfloat16", "shapes": {"q_heads": HQ, "kv_heads": HKV, "head_dim": HEAD_DIM, "page": PAGE},

@@ -55,10 +55,13 @@ def _drafter_attention_kernel(
     stride_lb, stride_li, stride_lh,
     GAMMA: tl.constexpr, G: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, HAS_SINK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, HAS_SINK: tl.constexpr, DOT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """Program (b, kv head, split): all γ × G query rows of request b for that KV head, against slice
-    ``split`` of its context; split 0 also takes the γ block rows."""
+    ``split`` of its context; split 0 also takes the γ block rows. PREFETCH: the loads of the next
+    context tile (its block-table entries, then K and V) are issued before the current tile's math, and
+    the first tile's before the block rows' (a paged tile costs two dependent memory round trips, which
+    the unprefetched loop waits out one after the other)."""
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -76,6 +79,16 @@ def _drafter_attention_kernel(
     l_i = tl.full([BLOCK_M], 0.0, tl.float32)
     acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
 
+    # The context, positions [0, ctx_len), paged; this program takes slice `split` of it.
+    split_len = ((ctx_len + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, ctx_len)
+    n = tl.arange(0, BLOCK_N)
+    bt_row = block_tables_ptr + b * stride_bt
+    if PREFETCH:  # the first tile in flight while the block rows are handled
+        k_nx, v_nx, ok_nx = _load_paged_kv(k_cache_ptr, v_cache_ptr, bt_row, lo + n, hi, kvh, d, d_ok, stride_kb,
+                                           stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, PAGE)
+
     # The block's own rows: every query row sees all γ of them. Only split 0 takes them (masked
     # loads elsewhere fetch nothing), so they count once.
     j = tl.arange(0, BLOCK_G)
@@ -85,18 +98,17 @@ def _drafter_attention_kernel(
     vb = tl.load(vb_ptr + b * stride_vbb + j[:, None] * stride_vbi + kvh * stride_vbh + d[None, :], mask=jd_mask, other=0.0)
     m_i, l_i, acc = _online_softmax_step(q, kb, vb, j_ok[None, :], m_i, l_i, acc, qk_scale, DOT_PRECISION)
 
-    # The context, positions [0, ctx_len), paged; this program takes slice `split` of it.
-    split_len = ((ctx_len + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-    lo = split * split_len
-    hi = tl.minimum(lo + split_len, ctx_len)
-    n = tl.arange(0, BLOCK_N)
-    bt_row = block_tables_ptr + b * stride_bt
-    for n0 in range(lo, hi, BLOCK_N):
-        pos = n0 + n
-        k, v, kv_ok = _load_paged_kv(k_cache_ptr, v_cache_ptr, bt_row, pos, hi, kvh, d, d_ok, stride_kb,
-                                     stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, PAGE)
-        m_i, l_i, acc = _online_softmax_step(q, k, v, kv_ok[None, :],
-                                             m_i, l_i, acc, qk_scale, DOT_PRECISION)
+    if PREFETCH:
+        for n0 in range(lo, hi, BLOCK_N):
+            k, v, kv_ok = k_nx, v_nx, ok_nx
+            k_nx, v_nx, ok_nx = _load_paged_kv(k_cache_ptr, v_cache_ptr, bt_row, n0 + BLOCK_N + n, hi, kvh, d, d_ok,
+                                               stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, PAGE)
+            m_i, l_i, acc = _online_softmax_step(q, k, v, kv_ok[None, :], m_i, l_i, acc, qk_scale, DOT_PRECISION)
+    else:
+        for n0 in range(lo, hi, BLOCK_N):
+            k, v, kv_ok = _load_paged_kv(k_cache_ptr, v_cache_ptr, bt_row, n0 + n, hi, kvh, d, d_ok, stride_kb,
+                                         stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, PAGE)
+            m_i, l_i, acc = _online_softmax_step(q, k, v, kv_ok[None, :], m_i, l_i, acc, qk_scale, DOT_PRECISION)
 
     if HAS_SINK and NUM_SPLITS == 1:  # with splits, the combine kernel adds the sink once
         sink = tl.load(sink_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
@@ -184,6 +196,12 @@ def _kv_args(k_block, v_block, k_cache, v_cache, block_tables) -> tuple[int, ...
             block_tables.stride(0))
 
 
+# The shared-tile kernel's defaults: key tile, warps, and whether the next context tile's loads are
+# issued before the current tile's math (PREFETCH). benchmarks/kernel_attention_bench.py --drafter-sweep
+# times the combinations on a GPU.
+DRAFTER_TUNING = {"block_n": 64, "num_warps": 4, "prefetch": False}
+
+
 def drafter_attention(
     q: torch.Tensor,  # [B, γ, Hq, D] block query rows (after RoPE)
     k_block: torch.Tensor,  # [B, γ, Hkv, D] the block's own keys
@@ -198,10 +216,13 @@ def drafter_attention(
     max_ctx_len: int | None = None,
     num_splits: int | None = None,
     block_n: int | None = None,
+    num_warps: int | None = None,
+    prefetch: bool | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Shared-tile drafter attention -> [B, γ, Hq, D]. ``max_ctx_len`` (a hint: the context bucket a
-    graph is captured for) caps the split count; ``num_splits`` / ``block_n`` override the tuning."""
+    graph is captured for) caps the split count; ``num_splits`` / ``block_n`` / ``num_warps`` /
+    ``prefetch`` override the tuning (DRAFTER_TUNING)."""
     B, gamma, Hq, Hkv, D = _check(q, k_block, v_block, k_cache, v_cache, block_tables, ctx_lens, sinks)
     G = Hq // Hkv
     if out is None:
@@ -209,7 +230,8 @@ def drafter_attention(
     assert out.shape == q.shape and out.is_contiguous()
     if B == 0:
         return out
-    block_n = block_n or 64
+    block_n = block_n or DRAFTER_TUNING["block_n"]
+    prefetch = DRAFTER_TUNING["prefetch"] if prefetch is None else prefetch
     splits = num_splits or default_num_splits(B * Hkv, q.device, max_ctx_len, block_n)
     if splits == 1:
         target, lse = out, out  # lse unused
@@ -225,7 +247,8 @@ def drafter_attention(
         GAMMA=gamma, G=G, PAGE=k_cache.shape[1], HEAD_DIM=D,
         BLOCK_M=next_pow2(max(16, gamma * G)), BLOCK_G=next_pow2(max(16, gamma)), BLOCK_N=block_n,
         BLOCK_D=next_pow2(D), NUM_SPLITS=splits, HAS_SINK=sinks is not None,
-        DOT_PRECISION=dot_precision(q.dtype), num_warps=4,
+        DOT_PRECISION=dot_precision(q.dtype), PREFETCH=bool(prefetch),
+        num_warps=num_warps or DRAFTER_TUNING["num_warps"],
     )
     if splits > 1:
         combine_splits(target.view(B * gamma, Hq, splits, D), lse.view(B * gamma, Hq, splits),
