@@ -121,14 +121,11 @@ def run_paged(configs, dtype, checks, rows) -> None:
         print(label)
         check(f"paged triton vs ref [{label}]", max_err(paged_attention(*common, **hints), ref), 2e-2, checks)
         check(f"paged triton unsplit vs ref [{label}]", max_err(paged_attention(*common, num_splits=1), ref), 2e-2, checks)
-        check(f"paged triton prefetch vs default [{label}]",
-              max_err(paged_attention(*common, **hints, prefetch=True), paged_attention(*common, **hints)), 0.0, checks)
         check(f"torch backend vs ref [{label}]",
               max_err(backend.forward(x["q"], x["k"], x["v"], x["k_cache"], x["v_cache"], meta, SCALE), ref), 2e-2, checks)
         paths = {
             "triton": lambda: paged_attention(*common, **hints),
             "triton_unsplit": lambda: paged_attention(*common, num_splits=1),
-            "triton_prefetch": lambda: paged_attention(*common, **hints, prefetch=True),
             "torch_backend": lambda: backend.forward(x["q"], x["k"], x["v"], x["k_cache"], x["v_cache"], meta, SCALE),
             "sdpa_dense": lambda: F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=SCALE, enable_gqa=True),
         }
@@ -173,19 +170,17 @@ def run_drafter(configs, dtype, checks, rows, sweep: bool = False) -> None:
             "shared_tile_s8": lambda: drafter_attention(**x, num_splits=8),
             "shared_tile_s16": lambda: drafter_attention(**x, num_splits=16),
             "shared_tile_s16_n32": lambda: drafter_attention(**x, num_splits=16, block_n=32),
-            "shared_tile_prefetch": lambda: drafter_attention(**x, max_ctx_len=ctx, prefetch=True),
             "naive": lambda: drafter_attention_naive(**x),
             "torch_sdpa": engine_path,
         }
-        if sweep:  # the shared-tile kernel's tuning space: splits x key tile x warps x prefetch
-            for S in (4, 8, 16):
+        if sweep:  # the shared-tile kernel's tuning space: splits x key tile x warps
+            for S in (2, 4, 8, 16):
                 for N in (32, 64, 128):
                     for W in (4, 8):
-                        for P in (False, True):
-                            kw = dict(num_splits=S, block_n=N, num_warps=W, prefetch=P)
-                            check(f"shared-tile {kw} vs ref [{label}]", max_err(drafter_attention(**x, **kw), ref),
-                                  2e-2, checks)
-                            paths[f"s{S}_n{N}_w{W}{'_pf' if P else ''}"] = lambda kw=kw: drafter_attention(**x, **kw)
+                        kw = dict(num_splits=S, block_n=N, num_warps=W)
+                        check(f"shared-tile {kw} vs ref [{label}]", max_err(drafter_attention(**x, **kw), ref),
+                              2e-2, checks)
+                        paths[f"s{S}_n{N}_w{W}"] = lambda kw=kw: drafter_attention(**x, **kw)
         for name, fn in paths.items():
             us, how = time_us(fn)
             rows.append({"kernel": "drafter", "B": B, "gamma": gamma, "ctx": ctx, "path": name, "us": us, "timed_as": how})
@@ -252,7 +247,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true",
                     help="fewer shapes (paged: batch 1 / 32 / 128, context 1k, 1 and 1 + 7 query rows)")
     ap.add_argument("--drafter-sweep", action="store_true",
-                    help="also time the drafter kernel over split counts x key tiles x warps x prefetch")
+                    help="also time the drafter kernel over split counts x key tiles x warps")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("kernel_attention_bench needs a CUDA GPU")

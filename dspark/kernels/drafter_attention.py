@@ -55,13 +55,10 @@ def _drafter_attention_kernel(
     stride_lb, stride_li, stride_lh,
     GAMMA: tl.constexpr, G: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, HAS_SINK: tl.constexpr, DOT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, HAS_SINK: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Program (b, kv head, split): all γ × G query rows of request b for that KV head, against slice
-    ``split`` of its context; split 0 also takes the γ block rows. PREFETCH: the loads of the next
-    context tile (its block-table entries, then K and V) are issued before the current tile's math, and
-    the first tile's before the block rows' (a paged tile costs two dependent memory round trips, which
-    the unprefetched loop waits out one after the other)."""
+    ``split`` of its context; split 0 also takes the γ block rows."""
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -85,9 +82,6 @@ def _drafter_attention_kernel(
     hi = tl.minimum(lo + split_len, ctx_len)
     n = tl.arange(0, BLOCK_N)
     bt_row = block_tables_ptr + b * stride_bt
-    if PREFETCH:  # the first tile in flight while the block rows are handled
-        k_nx, v_nx, ok_nx = _load_paged_kv(k_cache_ptr, v_cache_ptr, bt_row, lo + n, hi, kvh, d, d_ok, stride_kb,
-                                           stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, PAGE)
 
     # The block's own rows: every query row sees all γ of them. Only split 0 takes them (masked
     # loads elsewhere fetch nothing), so they count once.
@@ -98,17 +92,10 @@ def _drafter_attention_kernel(
     vb = tl.load(vb_ptr + b * stride_vbb + j[:, None] * stride_vbi + kvh * stride_vbh + d[None, :], mask=jd_mask, other=0.0)
     m_i, l_i, acc = _online_softmax_step(q, kb, vb, j_ok[None, :], m_i, l_i, acc, qk_scale, DOT_PRECISION)
 
-    if PREFETCH:
-        for n0 in range(lo, hi, BLOCK_N):
-            k, v, kv_ok = k_nx, v_nx, ok_nx
-            k_nx, v_nx, ok_nx = _load_paged_kv(k_cache_ptr, v_cache_ptr, bt_row, n0 + BLOCK_N + n, hi, kvh, d, d_ok,
-                                               stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, PAGE)
-            m_i, l_i, acc = _online_softmax_step(q, k, v, kv_ok[None, :], m_i, l_i, acc, qk_scale, DOT_PRECISION)
-    else:
-        for n0 in range(lo, hi, BLOCK_N):
-            k, v, kv_ok = _load_paged_kv(k_cache_ptr, v_cache_ptr, bt_row, n0 + n, hi, kvh, d, d_ok, stride_kb,
-                                         stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, PAGE)
-            m_i, l_i, acc = _online_softmax_step(q, k, v, kv_ok[None, :], m_i, l_i, acc, qk_scale, DOT_PRECISION)
+    for n0 in range(lo, hi, BLOCK_N):
+        k, v, kv_ok = _load_paged_kv(k_cache_ptr, v_cache_ptr, bt_row, n0 + n, hi, kvh, d, d_ok, stride_kb,
+                                     stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, PAGE)
+        m_i, l_i, acc = _online_softmax_step(q, k, v, kv_ok[None, :], m_i, l_i, acc, qk_scale, DOT_PRECISION)
 
     if HAS_SINK and NUM_SPLITS == 1:  # with splits, the combine kernel adds the sink once
         sink = tl.load(sink_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
@@ -196,10 +183,11 @@ def _kv_args(k_block, v_block, k_cache, v_cache, block_tables) -> tuple[int, ...
             block_tables.stride(0))
 
 
-# The shared-tile kernel's defaults: key tile, warps, and whether the next context tile's loads are
-# issued before the current tile's math (PREFETCH). benchmarks/kernel_attention_bench.py --drafter-sweep
-# times the combinations on a GPU.
-DRAFTER_TUNING = {"block_n": 64, "num_warps": 4, "prefetch": False}
+# The shared-tile kernel's key tile and warps (the split count: default_num_splits). Swept on the H200 in
+# session 29 (benchmarks/kernel_attention_bench.py --drafter-sweep; docs/benchmarks.md): 64 keys x 4 warps
+# with the default splits was within 0.2 µs of the best of 48 settings at batch 12 (γ 5 and 7); 8 warps
+# lost nearly everywhere.
+DRAFTER_TUNING = {"block_n": 64, "num_warps": 4}
 
 
 def drafter_attention(
@@ -217,12 +205,11 @@ def drafter_attention(
     num_splits: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
-    prefetch: bool | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Shared-tile drafter attention -> [B, γ, Hq, D]. ``max_ctx_len`` (a hint: the context bucket a
-    graph is captured for) caps the split count; ``num_splits`` / ``block_n`` / ``num_warps`` /
-    ``prefetch`` override the tuning (DRAFTER_TUNING)."""
+    graph is captured for) caps the split count; ``num_splits`` / ``block_n`` / ``num_warps``
+    override the tuning (DRAFTER_TUNING)."""
     B, gamma, Hq, Hkv, D = _check(q, k_block, v_block, k_cache, v_cache, block_tables, ctx_lens, sinks)
     G = Hq // Hkv
     if out is None:
@@ -231,7 +218,6 @@ def drafter_attention(
     if B == 0:
         return out
     block_n = block_n or DRAFTER_TUNING["block_n"]
-    prefetch = DRAFTER_TUNING["prefetch"] if prefetch is None else prefetch
     splits = num_splits or default_num_splits(B * Hkv, q.device, max_ctx_len, block_n)
     if splits == 1:
         target, lse = out, out  # lse unused
@@ -247,8 +233,7 @@ def drafter_attention(
         GAMMA=gamma, G=G, PAGE=k_cache.shape[1], HEAD_DIM=D,
         BLOCK_M=next_pow2(max(16, gamma * G)), BLOCK_G=next_pow2(max(16, gamma)), BLOCK_N=block_n,
         BLOCK_D=next_pow2(D), NUM_SPLITS=splits, HAS_SINK=sinks is not None,
-        DOT_PRECISION=dot_precision(q.dtype), PREFETCH=bool(prefetch),
-        num_warps=num_warps or DRAFTER_TUNING["num_warps"],
+        DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps or DRAFTER_TUNING["num_warps"],
     )
     if splits > 1:
         combine_splits(target.view(B * gamma, Hq, splits, D), lse.view(B * gamma, Hq, splits),

@@ -226,7 +226,7 @@ def _paged_attention_kernel(
     G: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, FUSE_COMBINE: tl.constexpr, MAX_CHUNKS: tl.constexpr,
-    ROPE_IN: tl.constexpr, HAS_QNORM: tl.constexpr, HAS_KNORM: tl.constexpr, PREFETCH: tl.constexpr,
+    ROPE_IN: tl.constexpr, HAS_QNORM: tl.constexpr, HAS_KNORM: tl.constexpr,
 ):
     """Program (b, kv head, split * q_programs + c): query chunks c, c + q_programs, ... of request b
     (BLOCK_Q query tokens × G heads each), against key slice ``split`` of what the chunk may see.
@@ -236,9 +236,7 @@ def _paged_attention_kernel(
     the program applies the optional per-head norm and RoPE to its query rows itself, and first
     writes the rotated K and the V of the step's new tokens that fall in its own key slice, for its
     own KV head, into the cache (each program reads only old keys and keys it wrote itself, after a
-    barrier; a slice shared by several query chunks is written by each of them, with the same values).
-    PREFETCH (not with ROPE_IN): the next key tile's loads (block-table entries, then K and V) are issued
-    before the current tile's math, as in drafter_attention."""
+    barrier; a slice shared by several query chunks is written by each of them, with the same values)."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2) % NUM_SPLITS
@@ -296,24 +294,12 @@ def _paged_attention_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.full([BLOCK_M], 0.0, tl.float32)
         acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
-        if PREFETCH:
-            k_nx, v_nx, ok_nx = _load_paged_kv(k_cache_ptr, v_cache_ptr, bt_row, lo + n, hi, kvh, d, d_ok, stride_kb,
-                                               stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, PAGE)
-            for n0 in range(lo, hi, BLOCK_N):
-                pos = n0 + n
-                k, v, kv_ok = k_nx, v_nx, ok_nx
-                k_nx, v_nx, ok_nx = _load_paged_kv(k_cache_ptr, v_cache_ptr, bt_row, pos + BLOCK_N, hi, kvh, d, d_ok,
-                                                   stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                                                   PAGE)
-                valid = kv_ok[None, :] & (pos[None, :] <= q_pos[:, None])
-                m_i, l_i, acc = _online_softmax_step(q, k, v, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
-        else:
-            for n0 in range(lo, hi, BLOCK_N):
-                pos = n0 + n
-                k, v, kv_ok = _load_paged_kv(k_cache_ptr, v_cache_ptr, bt_row, pos, hi, kvh, d, d_ok, stride_kb,
-                                             stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, PAGE)
-                valid = kv_ok[None, :] & (pos[None, :] <= q_pos[:, None])
-                m_i, l_i, acc = _online_softmax_step(q, k, v, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+        for n0 in range(lo, hi, BLOCK_N):
+            pos = n0 + n
+            k, v, kv_ok = _load_paged_kv(k_cache_ptr, v_cache_ptr, bt_row, pos, hi, kvh, d, d_ok, stride_kb,
+                                         stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, PAGE)
+            valid = kv_ok[None, :] & (pos[None, :] <= q_pos[:, None])
+            m_i, l_i, acc = _online_softmax_step(q, k, v, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
 
         _store_rows(out_ptr, lse_ptr, t * stride_ot + head * stride_oh + split * stride_os,
                     t * stride_lt + head * stride_lh + split, row_ok, d, d_ok,
@@ -383,7 +369,6 @@ def paged_attention(
     block_n: int | None = None,
     block_m: int | None = None,
     fuse_combine: bool | None = None,
-    prefetch: bool | None = None,
     rope: dict | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -411,8 +396,6 @@ def paged_attention(
     With a key split, the slices are merged by the attention launch itself (its last program per
     query chunk, ``_combine_in_last_program``) when ``max_query_len`` is given (it bounds the chunk
     counters) and ``fuse_combine`` is not False (default: ``FUSE_COMBINE``); else by a second launch.
-    ``prefetch`` (default ``PREFETCH``; ignored with ``rope``): each program issues the next key tile's
-    loads before the current tile's math; the same tiles in the same order, so the same bits.
     """
     T, Hq, D = q.shape
     _check_cache(k_cache, v_cache)
@@ -477,7 +460,6 @@ def paged_attention(
         FUSE_COMBINE=fuse, MAX_CHUNKS=max_chunks,
         ROPE_IN=rope is not None, HAS_QNORM=rope is not None and rope.get("q_norm") is not None,
         HAS_KNORM=rope is not None and rope.get("k_norm") is not None,
-        PREFETCH=(PREFETCH if prefetch is None else prefetch) and rope is None,
         # fp32 RoPE products must not be contracted into FMAs (fused_ops' exactness note); in bf16/fp16 the
         # explicit roundings already keep them apart, and the attention math keeps its FMAs.
         num_warps=4, **({"enable_fp_fusion": False} if rope is not None and q.is_cuda and q.dtype == torch.float32
@@ -491,9 +473,6 @@ def paged_attention(
 # The split merge inside the attention launch (one launch per layer instead of two: at batch 1 on an
 # H200 a step is launch-bound, see docs/benchmarks.md). Module-level so benchmarks can compare.
 FUSE_COMBINE = False  # measured slower on the H200 (see docs/benchmarks.md, session 11): off by default
-# The next key tile's loads issued before the current tile's math (``prefetch=``; never with ``rope=``,
-# whose cache writes must precede the reads). benchmarks/kernel_attention_bench.py times both.
-PREFETCH = False
 _COUNTER_BUFS: dict[torch.device, torch.Tensor] = {}
 
 

@@ -61,18 +61,6 @@ def test_shared_tile_matches_reference(gamma, heads, head_dim, sinks, num_splits
 
 
 @pytest.mark.parametrize("sinks", [False, True], ids=["nosink", "sink"])
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_prefetched_tiles_match_reference(sinks, num_splits):
-    """The PREFETCH loop (next tile's loads before this tile's math) reads the same tiles in the same order:
-    the same bits as the default loop, ragged ends included."""
-    x = make_inputs(CTX, gamma=7, heads=(9, 3), head_dim=64, page=4, seed=7)
-    s = torch.randn(9, generator=torch.Generator().manual_seed(5)) * 2 if sinks else None
-    out = drafter_attention(**x, sinks=s, num_splits=num_splits, block_n=16, prefetch=True)
-    assert torch.equal(out, drafter_attention(**x, sinks=s, num_splits=num_splits, block_n=16, prefetch=False))
-    torch.testing.assert_close(out, drafter_attention_ref(**x, sinks=s), atol=2e-5, rtol=1e-5)
-
-
-@pytest.mark.parametrize("sinks", [False, True], ids=["nosink", "sink"])
 def test_naive_matches_reference(sinks):
     x = make_inputs([0, 21], gamma=3, heads=(3, 1), head_dim=32, page=4)
     s = torch.randn(3, generator=torch.Generator().manual_seed(5)) if sinks else None

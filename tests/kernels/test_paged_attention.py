@@ -90,19 +90,6 @@ def test_kernel_matches_reference(name, seq_lens, q_lens, heads, head_dim, num_s
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name,seq_lens,q_lens", CASES, ids=[c[0] for c in CASES])
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_prefetched_key_tiles_give_the_same_bits(name, seq_lens, q_lens, num_splits):
-    """prefetch=True (the next key tile's loads before this tile's math) reads the same tiles in the
-    same order: bit-identical to the default loop, and to the reference within rounding."""
-    b = make_batch(seq_lens, q_lens, heads=(9, 3), head_dim=64, page=4, pad_requests=1)
-    kc, vc = written(b)
-    args = (b.q, kc, vc, b.block_tables, b.seq_lens, b.qsl, 0.125)
-    out = paged_attention(*args, num_splits=num_splits, block_n=16, prefetch=True)
-    assert torch.equal(out, paged_attention(*args, num_splits=num_splits, block_n=16, prefetch=False))
-    torch.testing.assert_close(out, paged_attention_ref(*args), atol=2e-5, rtol=1e-5)
-
-
 def test_query_chunks_over_several_programs():
     """A request longer than one query tile: its chunks loop inside a program (no hint) or spread over
     programs (``max_query_len``), with int32 metadata and a page larger than the key tile."""
