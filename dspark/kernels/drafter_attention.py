@@ -185,7 +185,7 @@ def _kv_args(k_block, v_block, k_cache, v_cache, block_tables) -> tuple[int, ...
 
 # The shared-tile kernel's key tile and warps (the split count: default_num_splits). Swept on the H200 in
 # session 29 (benchmarks/kernel_attention_bench.py --drafter-sweep; docs/benchmarks.md): 64 keys x 4 warps
-# with the default splits was within 0.2 µs of the best of 48 settings at batch 12 (γ 5 and 7); 8 warps
+# with the default splits was within 0.2 µs of the best of 18 settings at batch 12 (γ 5 and 7); 8 warps
 # lost nearly everywhere.
 DRAFTER_TUNING = {"block_n": 64, "num_warps": 4}
 
