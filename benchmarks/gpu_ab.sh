@@ -9,7 +9,7 @@
 # (the shipped drafter is copied in from the tree on the machine). The GGUF pieces come first as for
 # benchmarks/gpu_session.sh (benchmarks/gguf_pieces.sh). AB_CMD is the command, run from the root of its version
 # (others: from .model/ab_$V, since `python -m` puts the working directory first on sys.path) with $V
-# (base|new), $OUT and $AB_ROOT (this tree's root: scripts of the new version) set, e.g.
+# (base|new|X), $OUT and $AB_ROOT (this tree's root: scripts of the new version) set, e.g.
 #     AB_CMD='python3 -m dspark.cli bench --device cuda --attention-backend triton --no-hf ... --json $OUT/bench_$V.json'
 set -uo pipefail
 bash benchmarks/gguf_pieces.sh

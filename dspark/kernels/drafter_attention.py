@@ -76,13 +76,6 @@ def _drafter_attention_kernel(
     l_i = tl.full([BLOCK_M], 0.0, tl.float32)
     acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
 
-    # The context, positions [0, ctx_len), paged; this program takes slice `split` of it.
-    split_len = ((ctx_len + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-    lo = split * split_len
-    hi = tl.minimum(lo + split_len, ctx_len)
-    n = tl.arange(0, BLOCK_N)
-    bt_row = block_tables_ptr + b * stride_bt
-
     # The block's own rows: every query row sees all γ of them. Only split 0 takes them (masked
     # loads elsewhere fetch nothing), so they count once.
     j = tl.arange(0, BLOCK_G)
@@ -92,10 +85,18 @@ def _drafter_attention_kernel(
     vb = tl.load(vb_ptr + b * stride_vbb + j[:, None] * stride_vbi + kvh * stride_vbh + d[None, :], mask=jd_mask, other=0.0)
     m_i, l_i, acc = _online_softmax_step(q, kb, vb, j_ok[None, :], m_i, l_i, acc, qk_scale, DOT_PRECISION)
 
+    # The context, positions [0, ctx_len), paged; this program takes slice `split` of it.
+    split_len = ((ctx_len + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, ctx_len)
+    n = tl.arange(0, BLOCK_N)
+    bt_row = block_tables_ptr + b * stride_bt
     for n0 in range(lo, hi, BLOCK_N):
-        k, v, kv_ok = _load_paged_kv(k_cache_ptr, v_cache_ptr, bt_row, n0 + n, hi, kvh, d, d_ok, stride_kb,
+        pos = n0 + n
+        k, v, kv_ok = _load_paged_kv(k_cache_ptr, v_cache_ptr, bt_row, pos, hi, kvh, d, d_ok, stride_kb,
                                      stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, PAGE)
-        m_i, l_i, acc = _online_softmax_step(q, k, v, kv_ok[None, :], m_i, l_i, acc, qk_scale, DOT_PRECISION)
+        m_i, l_i, acc = _online_softmax_step(q, k, v, kv_ok[None, :],
+                                             m_i, l_i, acc, qk_scale, DOT_PRECISION)
 
     if HAS_SINK and NUM_SPLITS == 1:  # with splits, the combine kernel adds the sink once
         sink = tl.load(sink_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
