@@ -169,6 +169,11 @@ class DsparkSystem:
                    st.num_steps - before[1], st.num_accepted - before[2])
 
 
+def _adaptive(system) -> bool:
+    llm = getattr(system, "llm", None)
+    return llm is not None and llm.engine.verify_policy is not None
+
+
 def _length_steps(system) -> dict[int, int]:
     """A dspark system's verification steps so far by verify length (spec_stats.length_steps)."""
     llm = getattr(system, "llm", None)
@@ -567,7 +572,8 @@ def _run_bench_matrix(a: argparse.Namespace) -> int:
                        for n, r in runs.items()]
                 for c, (name, s) in zip(new, systems.items()):  # adaptive verification: steps per verify length
                     steps = {n: k - before[name].get(n, 0) for n, k in _length_steps(s).items()}
-                    if len([k for k in steps.values() if k]) > 1:
+                    # (an adaptive engine's cells always: one that kept one length says which)
+                    if len([k for k in steps.values() if k]) > 1 or _adaptive(s):
                         c["verify_length_steps"] = {str(n): k for n, k in sorted(steps.items()) if k}
                         log(f"{ps} T={t:g} B={b}: {c['label']} steps by drafts verified {c['verify_length_steps']}")
                 cells.extend(new)
