@@ -175,9 +175,15 @@ def _adaptive(system) -> bool:
 
 
 def _length_steps(system) -> dict[int, int]:
-    """A dspark system's verification steps so far by verify length (spec_stats.length_steps)."""
+    """A dspark system's verification steps so far by verify length (spec_stats.length_steps), and for an
+    adaptive engine its policy's length changes so far under the key "changes"."""
     llm = getattr(system, "llm", None)
-    return dict(llm.engine.spec_stats.length_steps) if llm is not None else {}
+    if llm is None:
+        return {}
+    steps = dict(llm.engine.spec_stats.length_steps)
+    if _adaptive(system):
+        steps["changes"] = llm.engine.verify_policy.changes
+    return steps
 
 
 class HFSystem:
@@ -572,10 +578,13 @@ def _run_bench_matrix(a: argparse.Namespace) -> int:
                        for n, r in runs.items()]
                 for c, (name, s) in zip(new, systems.items()):  # adaptive verification: steps per verify length
                     steps = {n: k - before[name].get(n, 0) for n, k in _length_steps(s).items()}
+                    changes = steps.pop("changes", None)
                     # (an adaptive engine's cells always: one that kept one length says which)
-                    if len([k for k in steps.values() if k]) > 1 or _adaptive(s):
+                    if len([k for k in steps.values() if k]) > 1 or changes is not None:
                         c["verify_length_steps"] = {str(n): k for n, k in sorted(steps.items()) if k}
-                        log(f"{ps} T={t:g} B={b}: {c['label']} steps by drafts verified {c['verify_length_steps']}")
+                        c["verify_length_changes"] = changes
+                        log(f"{ps} T={t:g} B={b}: {c['label']} steps by drafts verified {c['verify_length_steps']}"
+                            + (f", {changes} length changes" if changes is not None else ""))
                 cells.extend(new)
                 tokens = (lambda c: f" ({c['new_tokens']:g} tokens)") if a.stop_at_eos else (lambda c: "")
                 log(f"{ps} T={t:g} B={b}: " + ", ".join(f"{c['label']} {c['tok_s_total']:.1f} tok/s{tokens(c)}"

@@ -73,6 +73,10 @@ def test_greedy_tokens_unchanged_while_lengths_change(spec_pair, prompts, plain)
     assert sum(G.stats["async"] for G in eng.runner.graph_sets.values()) > 0 and any(inflight)
     assert eng.spec_stats.as_dict()["spec_verify_length_steps"] == dict(sorted(steps.items()))
     eng.kv.check_integrity()
+    # what `dspark bench` records per cell of an adaptive engine: the steps by length and the changes
+    from dspark.bench import matrix
+    system = matrix.DsparkSystem(llm)
+    assert matrix._adaptive(system) and matrix._length_steps(system) == {**steps, "changes": eng.verify_policy.changes}
 
 
 def test_sampled_requests_through_length_changes(spec_pair, prompts, plain):
