@@ -169,21 +169,17 @@ class DsparkSystem:
                    st.num_steps - before[1], st.num_accepted - before[2])
 
 
-def _adaptive(system) -> bool:
-    llm = getattr(system, "llm", None)
-    return llm is not None and llm.engine.verify_policy is not None
-
-
 def _length_steps(system) -> dict[int, int]:
-    """A dspark system's verification steps so far by verify length (spec_stats.length_steps), and for an
-    adaptive engine its policy's length changes so far under the key "changes"."""
+    """A dspark system's verification steps so far by verify length (spec_stats.length_steps)."""
     llm = getattr(system, "llm", None)
-    if llm is None:
-        return {}
-    steps = dict(llm.engine.spec_stats.length_steps)
-    if _adaptive(system):
-        steps["changes"] = llm.engine.verify_policy.changes
-    return steps
+    return dict(llm.engine.spec_stats.length_steps) if llm is not None else {}
+
+
+def _length_changes(system) -> int | None:
+    """An adaptive engine's verify-length changes so far (VerifyLengthPolicy.changes); None otherwise."""
+    llm = getattr(system, "llm", None)
+    pol = llm.engine.verify_policy if llm is not None else None
+    return pol.changes if pol is not None else None
 
 
 class HFSystem:
@@ -569,7 +565,7 @@ def _run_bench_matrix(a: argparse.Namespace) -> int:
                     for _ in range(a.warmup):
                         run_cell(s, waves, t, max_tokens, continuous[name])
                 runs: dict[str, list[Run]] = {name: [] for name in systems}
-                before = {name: _length_steps(s) for name, s in systems.items()}
+                before = {name: (_length_steps(s), _length_changes(s)) for name, s in systems.items()}
                 for _ in range(a.runs):
                     for name, s in systems.items():
                         runs[name].append(run_cell(s, waves, t, max_tokens, continuous[name]))
@@ -577,8 +573,9 @@ def _run_bench_matrix(a: argparse.Namespace) -> int:
                 new = [make_cell(n, labels[n], key, r, b, max_tokens, "continuous" if continuous[n] else "waves")
                        for n, r in runs.items()]
                 for c, (name, s) in zip(new, systems.items()):  # adaptive verification: steps per verify length
-                    steps = {n: k - before[name].get(n, 0) for n, k in _length_steps(s).items()}
-                    changes = steps.pop("changes", None)
+                    steps = {n: k - before[name][0].get(n, 0) for n, k in _length_steps(s).items()}
+                    changes = _length_changes(s)
+                    changes = None if changes is None else changes - before[name][1]
                     # (an adaptive engine's cells always: one that kept one length says which)
                     if len([k for k in steps.values() if k]) > 1 or changes is not None:
                         c["verify_length_steps"] = {str(n): k for n, k in sorted(steps.items()) if k}

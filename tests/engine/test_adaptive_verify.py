@@ -76,7 +76,7 @@ def test_greedy_tokens_unchanged_while_lengths_change(spec_pair, prompts, plain)
     # what `dspark bench` records per cell of an adaptive engine: the steps by length and the changes
     from dspark.bench import matrix
     system = matrix.DsparkSystem(llm)
-    assert matrix._adaptive(system) and matrix._length_steps(system) == {**steps, "changes": eng.verify_policy.changes}
+    assert matrix._length_steps(system) == steps and matrix._length_changes(system) == eng.verify_policy.changes >= 2
 
 
 def test_sampled_requests_through_length_changes(spec_pair, prompts, plain):
