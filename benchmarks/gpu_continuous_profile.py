@@ -250,8 +250,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--speculative-config", default=None,
-                    help="default: the shipped drafter's config (dspark.drafters), as `dspark bench` uses; a bare "
-                         '{"method": "dspark"} drafts greedily, which at T=1 accepts far less (tau 1.32 vs 1.86)')
+                    help="keys over the shipped drafter's config (dspark.drafters), as `dspark bench` takes them; one "
+                         'naming a "model" replaces it')
     ap.add_argument("--device", default="cuda", help="cuda; cpu for a smoke run (fp32, tiny sizes)")
     ap.add_argument("--systems", default="plain,dspark",
                     help="which of plain,dspark,dspark-eager-prefill,dspark-sync-admit to profile "
@@ -263,6 +263,9 @@ def main() -> None:
     ap.add_argument("--torch-trace", type=int, default=0, metavar="P",
                     help="a last pass under torch.profiler over P prompts: GPU busy share, CUDA runtime calls, "
                          "top kernels and host ops; its chrome trace as OUT/trace_SYSTEM.json.gz")
+    ap.add_argument("--verify-length", type=int, default=0, metavar="N",
+                    help="with verify_lengths in --speculative-config: switch the adaptive policy off and verify "
+                         "N drafts in every step (one of the engine's graph sets)")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -273,8 +276,11 @@ def main() -> None:
     texts = heldout_prompts(2 * a.prompts, a.prompt_source)  # those that fit max_model_len are kept, below
     from dspark.drafters import default_speculative_config
 
-    spec = json.loads(a.speculative_config) if a.speculative_config else default_speculative_config(a.model)
+    spec = default_speculative_config(a.model)
     spec = json.loads(spec) if isinstance(spec, str) else spec
+    if a.speculative_config:  # its keys over the shipped drafter's settings (as dspark bench takes them)
+        given = json.loads(a.speculative_config)
+        spec = given if spec is None or "model" in given else {**spec, **given}
     tokens: dict[str, list[list[int]]] = {}
     systems = {"plain": (None, 512), "dspark": (spec, 512), "dspark-eager-prefill": (spec, 0),
                "dspark-sync-admit": (spec, 512)}
@@ -285,6 +291,12 @@ def main() -> None:
                   max_num_seqs=a.batch, kv_cache_memory_gb=16 if cuda else 0.5, enable_prefix_caching=False,
                   speculative_config=spec, graph_prefill_tokens=prefill_tokens)
         llm.engine.admit_on_top = name != "dspark-sync-admit"
+        if a.verify_length and spec:  # an adaptive engine held at one of its lengths (its policy off)
+            if a.verify_length not in llm.engine.runner.graph_sets:
+                raise SystemExit(f"--verify-length {a.verify_length}: the engine has graph sets for "
+                                 f"{sorted(llm.engine.runner.graph_sets)} drafts only (CUDA graphs needed)")
+            llm.engine.verify_policy = None
+            llm.engine.runner.use_verify_length(a.verify_length)
         # the first a.prompts that fit max_model_len with their max_tokens (B = 128's 512 held-out prompts hold
         # one of 2,100 tokens); the same for every system (one tokenizer)
         prompts = [x for x in (llm.engine.tokenize_chat([{"role": "user", "content": t}]) for t in texts)

@@ -15,7 +15,7 @@ in place (the bucket-friendly launch); a failed check stops the run. Times are C
 do_bench_cudagraph: GPU time without launch overhead, as the engine's captured steps would see it),
 median in microseconds. Prints a table; ``--out`` writes the results as JSON.
 
-Usage: python benchmarks/kernel_attention_bench.py --out out/kernel_attention.json [--quick] [--drafter-sweep]
+Usage: python benchmarks/kernel_attention_bench.py --out out/kernel_attention.json [--quick] [--drafter-sweep] [--paged-sweep]
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def check(name: str, err: float, tol: float, checks: list) -> None:
         raise SystemExit(f"correctness check failed: {name}")
 
 
-def run_paged(configs, dtype, checks, rows) -> None:
+def run_paged(configs, dtype, checks, rows, sweep: bool = False) -> None:
     from dspark.kernels.paged_attention import paged_attention, paged_attention_ref, write_kv
     from dspark.layers.attention import BatchLayout, TorchAttentionBackend
 
@@ -129,6 +129,15 @@ def run_paged(configs, dtype, checks, rows) -> None:
             "torch_backend": lambda: backend.forward(x["q"], x["k"], x["v"], x["k_cache"], x["v_cache"], meta, SCALE),
             "sdpa_dense": lambda: F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=SCALE, enable_gqa=True),
         }
+        if sweep and B >= 32:  # the launch space at large batch: key tile x warps x pipeline stages x splits
+            for N in (64, 128):
+                for W in (4, 8):
+                    for S in (1, 2, 3):
+                        for P in (1, 2):
+                            kw = dict(block_n=N, num_warps=W, num_stages=S, num_splits=P)
+                            check(f"paged {kw} vs ref [{label}]", max_err(paged_attention(*common, **hints, **kw), ref),
+                                  2e-2, checks)
+                            paths[f"n{N}_w{W}_st{S}_s{P}"] = lambda kw=kw: paged_attention(*common, **hints, **kw)
         kv_bytes = 2 * B * (ctx + q_len) * HKV * HEAD_DIM * x["k_cache"].element_size()
         for name, fn in paths.items():
             us, how = time_us(fn)
@@ -248,6 +257,8 @@ def main() -> None:
                     help="fewer shapes (paged: batch 1 / 32 / 128, context 1k, 1 and 1 + 7 query rows)")
     ap.add_argument("--drafter-sweep", action="store_true",
                     help="also time the drafter kernel over split counts x key tiles x warps")
+    ap.add_argument("--paged-sweep", action="store_true",
+                    help="also time paged attention at batch >= 32 over key tiles x warps x stages x splits")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("kernel_attention_bench needs a CUDA GPU")
@@ -261,7 +272,7 @@ def main() -> None:
     rows: list = []
     fp32_checks(checks)
     graph_replay_checks(checks)
-    run_paged(paged, dtype, checks, rows)
+    run_paged(paged, dtype, checks, rows, sweep=args.paged_sweep)
     run_drafter(drafter, dtype, checks, rows, sweep=args.drafter_sweep)
     print_table(rows)
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,

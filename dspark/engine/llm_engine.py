@@ -156,14 +156,23 @@ class LLMEngine:
         prompts = [[(11 + 31 * j) % V for j in range(max(1, min(n, L - budget - 1)))] for n in lengths]
         params = [SamplingParams(temperature=0.0, max_tokens=budget, ignore_eos=True),
                   SamplingParams(temperature=1.0, top_p=0.9, seed=0, max_tokens=budget, ignore_eos=True)]
-        ids = []
-        for i, p in enumerate(prompts[:-1]):
-            ids.append(self.add_request(p, params[i % 2], request_id=f"warmup-{i}"))
-        for _ in range(2):  # the first two run alone, then the last prefill joins their decode steps
-            self.step()
-        ids.append(self.add_request(prompts[-1], params[0], request_id=f"warmup-{len(prompts) - 1}"))
-        while any(rid in self.requests for rid in ids) or self._inflight is not None:
-            self.step()
+        # With adaptive verification, once per verify length: the eager paths beside each length's graphs
+        # (a prefill split off a verification step, ...) compile their own kernels, which a length first
+        # used under load otherwise compiled there (H200, session 30: a 1.6 s stall inside a timed bench
+        # cell, the whole of the "adaptive is slower" reading of sessions 29-30).
+        policy, self.verify_policy = self.verify_policy, None
+        for n in sorted(self.runner.graph_sets) if len(self.runner.graph_sets) > 1 else [None]:
+            if n is not None:
+                self.runner.use_verify_length(n)
+            ids = []
+            for i, p in enumerate(prompts[:-1]):
+                ids.append(self.add_request(p, params[i % 2], request_id=f"warmup-{n}-{i}"))
+            for _ in range(2):  # the first two run alone, then the last prefill joins their decode steps
+                self.step()
+            ids.append(self.add_request(prompts[-1], params[0], request_id=f"warmup-{n}-{len(prompts) - 1}"))
+            while any(rid in self.requests for rid in ids) or self._inflight is not None:
+                self.step()
+        self.verify_policy = policy
         self._seed_rng.setstate(seed_state)
         self.spec_stats = SpecStats()
         self._req_spec.clear()

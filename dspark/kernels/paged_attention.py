@@ -370,6 +370,8 @@ def paged_attention(
     block_m: int | None = None,
     fuse_combine: bool | None = None,
     rope: dict | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's new query rows over its paged K/V -> [T, Hq, D].
@@ -382,7 +384,8 @@ def paged_attention(
     spreads longer requests' query chunks over several programs; ``max_seq_len`` (e.g. the context
     bucket a CUDA graph is captured for) caps the split count; ``num_splits`` / ``block_n`` override
     the key-range split count and key tile size, ``block_m`` (a power of two >= 16 and >= the GQA
-    group) the query tile's rows. Batch-invariant mode fixes all three: the tile shape decides how
+    group) the query tile's rows; ``num_warps`` (default 4) / ``num_stages`` (default Triton's) the
+    launch (benchmarks/kernel_attention_bench.py --paged-sweep). Batch-invariant mode fixes all three: the tile shape decides how
     Triton lays the tile out over the warps, and so the order in which a row's softmax max and sum
     are reduced — a one-token decode (16-row tile) and a 1 + N-token verification (32 rows) would
     otherwise round the same row differently.
@@ -462,7 +465,8 @@ def paged_attention(
         HAS_KNORM=rope is not None and rope.get("k_norm") is not None,
         # fp32 RoPE products must not be contracted into FMAs (fused_ops' exactness note); in bf16/fp16 the
         # explicit roundings already keep them apart, and the attention math keeps its FMAs.
-        num_warps=4, **({"enable_fp_fusion": False} if rope is not None and q.is_cuda and q.dtype == torch.float32
+        num_warps=num_warps or 4, **({"num_stages": num_stages} if num_stages else {}),
+        **({"enable_fp_fusion": False} if rope is not None and q.is_cuda and q.dtype == torch.float32
                         else {}),
     )
     if splits > 1 and not fuse:

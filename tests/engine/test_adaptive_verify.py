@@ -95,3 +95,19 @@ def test_sampled_requests_through_length_changes(spec_pair, prompts, plain):
     assert got["req-1"].token_ids == plain[1][:20]  # the greedy request is still the argmax chain
     eng.kv.check_integrity()
     assert not eng.runner.draft_probs  # nothing left behind for finished requests
+
+
+def test_warm_up_runs_every_verify_length(spec_pair):
+    """The warm-up runs its requests at each verify length's graph set (each set's eager side paths, a
+    prefill split off a verification step, compile then, not under load: on the H200 a length first used
+    in a bench cell stalled it 1.6 s) and ends at the longest, the policy on, the statistics zero."""
+    llm = _llm(spec_pair, verify_lengths=[1, 2])
+    eng = llm.engine
+    eng.enable_adaptive_verification(Costs(), margin=0.0, min_steps=2, interval=1)
+    used = []
+    switch = eng.runner.use_verify_length
+    eng.runner.use_verify_length = lambda n: (used.append(n), switch(n))[1]
+    eng.warm_up()
+    assert used[:3] == [1, 2, 4] and eng.runner.num_spec_tokens == 4 and eng.verify_policy is not None
+    assert all(not any(G.stats.values()) for G in eng.runner.graph_sets.values())
+    assert not eng.requests and eng.kv.num_free_blocks == eng.kv.num_usable_blocks
