@@ -164,12 +164,12 @@ class LLMEngine:
         for n in sorted(self.runner.graph_sets) if len(self.runner.graph_sets) > 1 else [None]:
             if n is not None:
                 self.runner.use_verify_length(n)
-            ids = []
+            ids, tag = [], "" if n is None else f"{n}-"
             for i, p in enumerate(prompts[:-1]):
-                ids.append(self.add_request(p, params[i % 2], request_id=f"warmup-{n}-{i}"))
+                ids.append(self.add_request(p, params[i % 2], request_id=f"warmup-{tag}{i}"))
             for _ in range(2):  # the first two run alone, then the last prefill joins their decode steps
                 self.step()
-            ids.append(self.add_request(prompts[-1], params[0], request_id=f"warmup-{n}-{len(prompts) - 1}"))
+            ids.append(self.add_request(prompts[-1], params[0], request_id=f"warmup-{tag}{len(prompts) - 1}"))
             while any(rid in self.requests for rid in ids) or self._inflight is not None:
                 self.step()
         self.verify_policy = policy

@@ -45,4 +45,3 @@ def test_warm_up_leaves_no_trace(target, tmp_path, spec):
 
 def test_warm_up_is_off_by_default_on_a_cpu(target):
     assert LLM(str(target), device="cpu", num_kv_blocks=32, block_size=4).engine.warmup_s is None
-
