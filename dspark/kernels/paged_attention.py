@@ -55,26 +55,36 @@ def dot_precision(dtype: torch.dtype) -> str:
 _SM_COUNT: dict[int, int] = {}
 
 
+def sm_count(device: torch.device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def split_count(num_programs: int, sms: int, max_seq_len: int | None, block_n: int, programs_per_sm: float) -> int:
+    """default_num_splits for a GPU of ``sms`` SMs."""
+    splits = 1
+    while splits < 32 and num_programs * splits * 2 <= programs_per_sm * sms:
+        splits *= 2
+    if max_seq_len is not None:
+        while splits > 1 and max_seq_len < splits * block_n:
+            splits //= 2
+    return splits
+
+
 def default_num_splits(num_programs: int, device: torch.device, max_seq_len: int | None, block_n: int) -> int:
     """How many slices of the key range each (request, KV head) program gets: up to about 4 programs
     per SM, each slice at least one key tile of the longest context the caller expects. A power of
-    two, at most 32 (each value is one more compiled kernel). 1 off the GPU.
+    two, at most 32 (each value is one more compiled kernel). 1 off the GPU. (Paged attention's tuned
+    launch, ``tuned_launch``, asks for fewer programs per SM; the drafter kernel keeps this count.)
 
     Measured on an H200 (SmolLM2 shapes, bf16, context 4k): decode at batch 8 took 67.6 µs unsplit,
     23.4 µs with 4 slices, 12.5 µs with 16; at batch 32, 93.4 µs unsplit and 39.9 µs with 4 slices,
     about the same with 8 or 16."""
     if device.type != "cuda":
         return 1
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    splits = 1
-    while splits < 32 and num_programs * splits * 2 <= 4 * _SM_COUNT[idx]:
-        splits *= 2
-    if max_seq_len is not None:
-        while splits > 1 and max_seq_len < splits * block_n:
-            splits //= 2
-    return splits
+    return split_count(num_programs, sm_count(device), max_seq_len, block_n, 4)
 
 
 # ---------------------------------------------------------------------------------------- kernels
@@ -372,6 +382,7 @@ def paged_attention(
     rope: dict | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    tuning: bool = True,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's new query rows over its paged K/V -> [T, Hq, D].
@@ -385,7 +396,10 @@ def paged_attention(
     bucket a CUDA graph is captured for) caps the split count; ``num_splits`` / ``block_n`` override
     the key-range split count and key tile size, ``block_m`` (a power of two >= 16 and >= the GQA
     group) the query tile's rows; ``num_warps`` (default 4) / ``num_stages`` (default Triton's) the
-    launch (benchmarks/kernel_attention_bench.py --paged-sweep). Batch-invariant mode fixes all three: the tile shape decides how
+    launch (benchmarks/kernel_attention_bench.py --paged-sweep). On the GPU, when none of ``block_n`` /
+    ``num_splits`` / ``num_warps`` / ``num_stages`` is given, ``PAGED_TUNING`` (``tuned_launch``) picks
+    them from the query tile and the program count unless ``tuning=False``. Batch-invariant mode fixes
+    the split count and both tiles (so the table never applies there): the tile shape decides how
     Triton lays the tile out over the warps, and so the order in which a row's softmax max and sum
     are reduced — a one-token decode (16-row tile) and a 1 + N-token verification (32 rows) would
     otherwise round the same row differently.
@@ -421,6 +435,9 @@ def paged_attention(
         raise ValueError(f"block_m must be a power of two >= max(16, G={G}), got {block_m}")
     block_q = block_m // G
     q_programs = -(-mq // block_q) if max_query_len is not None else 1
+    if tuning and block_n is None and num_splits is None and num_warps is None and num_stages is None:
+        tuned = tuned_launch(block_m, B * Hkv * q_programs, max_seq_len, sm_count(q.device) if q.is_cuda else None)
+        block_n, num_splits, num_stages = tuned.get("block_n"), tuned.get("num_splits"), tuned.get("num_stages")
     block_n = block_n or (64 if block_m == 16 else 128)  # bigger query tiles amortise bigger key tiles
     splits = num_splits or default_num_splits(B * Hkv * q_programs, q.device, max_seq_len, block_n)
     max_chunks = -(-mq // block_q)
@@ -472,6 +489,29 @@ def paged_attention(
     if splits > 1 and not fuse:
         combine_splits(target, lse, out, None)
     return out
+
+
+# The launch rule the wrapper applies on the GPU when no launch parameter is forced (``tuned_launch``),
+# fitted to benchmarks/paged_tuning_sweep.py on the H200 (the RoPE-fused launch the engine runs, ragged
+# contexts in a bucket; docs/benchmarks.md "H200 session 31"): the key range is split to about
+# ``programs_per_sm`` programs per SM (default_num_splits' 4 over-splits from batch 8 on: 12-28 % slower
+# at batch 8-64), a slice of at least ``long_slice`` keys of the bucket takes 128-key tiles with 2
+# pipeline stages, a shorter one 64-key tiles with 3. Query tiles of 16 and 32 rows (decode and
+# verification steps); larger ones (prefill chunks) were not swept and keep the defaults.
+PAGED_TUNING = {"programs_per_sm": 1.5, "long_slice": 1024, "block_m": (16, 32)}
+
+
+def tuned_launch(block_m: int, num_programs: int, max_seq_len: int | None, sms: int | None) -> dict:
+    """PAGED_TUNING's block_n / num_stages / num_splits for a launch of ``num_programs`` (request, KV
+    head, query chunk) programs with a ``block_m``-row query tile, captured for keys up to
+    ``max_seq_len``, on a GPU of ``sms`` SMs; {} (the defaults) off the rule's ground."""
+    if block_m not in PAGED_TUNING["block_m"] or max_seq_len is None or sms is None:
+        return {}
+    per_sm = PAGED_TUNING["programs_per_sm"]
+    splits = split_count(num_programs, sms, max_seq_len, 64, per_sm)
+    if max_seq_len // splits >= PAGED_TUNING["long_slice"]:
+        return {"block_n": 128, "num_stages": 2, "num_splits": split_count(num_programs, sms, max_seq_len, 128, per_sm)}
+    return {"block_n": 64, "num_stages": 3, "num_splits": splits}
 
 
 # The split merge inside the attention launch (one launch per layer instead of two: at batch 1 on an
@@ -552,5 +592,5 @@ def paged_attention_ref(
     return out
 
 
-__all__ = ["paged_attention", "paged_attention_ref", "write_kv", "combine_splits", "check_device", "LOG2E"]
+__all__ = ["paged_attention", "paged_attention_ref", "tuned_launch", "PAGED_TUNING", "write_kv", "combine_splits", "check_device", "LOG2E"]
 

@@ -249,3 +249,36 @@ def test_half_precision():
     out = paged_attention(*args, block_n=16)
     assert out.dtype == torch.float16
     torch.testing.assert_close(out.float(), paged_attention_ref(*args).float(), atol=2e-3, rtol=2e-3)
+
+
+def test_tuned_launch_rule():
+    """PAGED_TUNING's rule on an H200-sized GPU (132 SMs), at the shapes the session-31 sweep measured:
+    few programs split to ~1.5 per SM with 64-key tiles; slices of >= 1,024 bucket keys take 128-key
+    tiles and 2 stages; prefill-sized query tiles, unknown buckets and non-GPU devices keep the defaults."""
+    from dspark.kernels.paged_attention import tuned_launch
+
+    assert tuned_launch(16, 3, 2048, 132) == {"block_n": 64, "num_stages": 3, "num_splits": 32}  # decode B=1
+    assert tuned_launch(16, 3, 512, 132) == {"block_n": 64, "num_stages": 3, "num_splits": 8}  # a key tile per slice
+    assert tuned_launch(16, 24, 2048, 132) == {"block_n": 64, "num_stages": 3, "num_splits": 8}  # B=8
+    assert tuned_launch(16, 96, 512, 132) == {"block_n": 64, "num_stages": 3, "num_splits": 2}  # B=32, short
+    assert tuned_launch(16, 96, 2048, 132) == {"block_n": 128, "num_stages": 2, "num_splits": 2}  # B=32, long
+    assert tuned_launch(32, 384, 512, 132) == {"block_n": 64, "num_stages": 3, "num_splits": 1}  # verify B=128
+    assert tuned_launch(32, 384, 2048, 132) == {"block_n": 128, "num_stages": 2, "num_splits": 1}
+    assert tuned_launch(64, 384, 2048, 132) == {}
+    assert tuned_launch(16, 96, None, 132) == {} and tuned_launch(16, 96, 2048, None) == {}
+
+
+@pytest.mark.parametrize("block_m,programs,bucket", [(16, 3, 256), (16, 96, 2048), (32, 384, 512)])
+def test_tuned_settings_match_the_reference(block_m, programs, bucket):
+    """Each kind of setting the rule picks (64- or 128-key tiles, split or not) gives the reference's
+    output on a ragged batch (the interpreter ignores the stage count; the GPU sweep checks those)."""
+    from dspark.kernels.paged_attention import tuned_launch
+
+    kw = tuned_launch(block_m, programs, bucket, 132)
+    kw.pop("num_stages")
+    q_len = 1 if block_m == 16 else 8
+    b = make_batch([200, 131, 77], [q_len] * 3, heads=(9, 3), head_dim=64, page=16, pad_requests=1)
+    kc, vc = written(b)
+    ref = paged_attention_ref(b.q, kc, vc, b.block_tables, b.seq_lens, b.qsl, 0.125)
+    out = paged_attention(b.q, kc, vc, b.block_tables, b.seq_lens, b.qsl, 0.125, max_query_len=q_len, **kw)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
