@@ -429,8 +429,10 @@ def _run_bench_matrix(a: argparse.Namespace) -> int:
     from dspark.bench.decode import _hf_model
     from dspark.cli import _engine_kwargs
     from dspark.engine.llm_engine import resolve_device
+    from dspark.kernels import compile_watch
 
     device = resolve_device(a.device)
+    compile_watch.install()  # counts Triton compiles, so each cell reports those inside its timed calls
     defaults = DEVICE_DEFAULTS["cuda" if device.startswith("cuda") else "cpu"]
     batch_sizes = _ints(a.batch_sizes) if a.batch_sizes else defaults["batch_sizes"]
     max_tokens = a.max_tokens or defaults["max_tokens"]
@@ -566,12 +568,23 @@ def _run_bench_matrix(a: argparse.Namespace) -> int:
                         run_cell(s, waves, t, max_tokens, continuous[name])
                 runs: dict[str, list[Run]] = {name: [] for name in systems}
                 before = {name: (_length_steps(s), _length_changes(s)) for name, s in systems.items()}
+                compiles: dict[str, list[dict]] = {name: [] for name in systems}  # dspark.kernels.compile_watch
                 for _ in range(a.runs):
                     for name, s in systems.items():
+                        n0 = compile_watch.count()
                         runs[name].append(run_cell(s, waves, t, max_tokens, continuous[name]))
+                        compiles[name] += compile_watch.events(n0)
                 key = dict(prompt_set=ps, temperature=t)
                 new = [make_cell(n, labels[n], key, r, b, max_tokens, "continuous" if continuous[n] else "waves")
                        for n, r in runs.items()]
+                for c, name in zip(new, systems):  # Triton compiles inside the timed calls (stalls the warm-up missed)
+                    ev = compiles[name]
+                    c["runtime_compiles"] = len(ev)
+                    c["runtime_compile_ms"] = round(sum(e["ms"] for e in ev), 1)
+                    if ev:
+                        c["runtime_compile_kernels"] = [f"{e['kernel']} ({e['ms']:.0f} ms; {e['constexprs']})" for e in ev]
+                        log(f"{ps} T={t:g} B={b}: {c['label']}: {len(ev)} Triton compiles inside the timed calls "
+                            f"({c['runtime_compile_ms']:.0f} ms): " + "; ".join(c["runtime_compile_kernels"][:6]))
                 for c, (name, s) in zip(new, systems.items()):  # adaptive verification: steps per verify length
                     steps = {n: k - before[name][0].get(n, 0) for n, k in _length_steps(s).items()}
                     changes = _length_changes(s)

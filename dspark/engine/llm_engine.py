@@ -105,6 +105,9 @@ class LLMEngine:
             factory = DSparkProposerFactory(spec, mc, cfg.max_model_len + 64, cfg.dtype, dev)
         if factory is not None and spec is None:
             spec = SpeculativeConfig()
+        if torch.device(dev).type == "cuda":  # count (and, once serving, log) Triton compiles: kernels/compile_watch.py
+            from dspark.kernels import compile_watch
+            compile_watch.install()
         self.runner = ModelRunner(loaded, cfg, spec, factory)
         del loaded
         self.spec_config = spec

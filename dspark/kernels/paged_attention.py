@@ -477,7 +477,7 @@ def paged_attention(
         block_tables.stride(0), *so, out.stride(0), out.stride(1), *rope_args,
         G=G, PAGE=page, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
         BLOCK_D=next_pow2(D), NUM_SPLITS=splits, DOT_PRECISION=dot_precision(q.dtype),
-        FUSE_COMBINE=fuse, MAX_CHUNKS=max_chunks,
+        FUSE_COMBINE=fuse, MAX_CHUNKS=max_chunks if fuse else 1,  # a constexpr: unfused, one value, one compile
         ROPE_IN=rope is not None, HAS_QNORM=rope is not None and rope.get("q_norm") is not None,
         HAS_KNORM=rope is not None and rope.get("k_norm") is not None,
         # fp32 RoPE products must not be contracted into FMAs (fused_ops' exactness note); in bf16/fp16 the

@@ -55,6 +55,20 @@ class TritonAttentionMetadata:
     max_seq_len: int
 
 
+def seq_len_hint(n: int) -> int:
+    """The longest context of a step, rounded up as the CUDA graphs' context buckets are (powers of two
+    from cuda_graphs.SMALLEST_BUCKET): the kernel's launch (split count, tiles) follows this hint and
+    each launch setting is a separate Triton compile, so an eager step (a prefill, a mixed step) takes
+    the setting of its bucket, which the graphs' capture and the warm-up compiled, instead of one per
+    context length that would compile inside a live step."""
+    from dspark.engine.cuda_graphs import SMALLEST_BUCKET
+
+    b = SMALLEST_BUCKET
+    while b < n:
+        b *= 2
+    return b
+
+
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
@@ -100,7 +114,7 @@ class TritonAttentionBackend:
             seq_lens=small[:B],
             query_start_loc=small[B:],
             max_query_len=max((qsl[b + 1] - qsl[b] for b in range(B)), default=0),
-            max_seq_len=max(layout.seq_lens, default=0),
+            max_seq_len=seq_len_hint(max(layout.seq_lens, default=0)),
         )
 
     def forward(self, q, k, v, k_cache, v_cache, meta: TritonAttentionMetadata, scale: float) -> torch.Tensor:

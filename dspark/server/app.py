@@ -21,6 +21,7 @@ import asyncio
 import hmac
 import json
 import logging
+import sys
 import time
 from contextlib import asynccontextmanager
 from dataclasses import replace
@@ -312,6 +313,9 @@ def build_app(engine_client: EngineClient, served_model_name: str | list[str] | 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await engine_client.start()
+        watch = sys.modules.get("dspark.kernels.compile_watch")  # loaded by a CUDA engine (kernels/compile_watch.py)
+        if watch is not None:
+            watch.arm()  # serving: a Triton compile from now on is a stall the warm-up missed, logged
         try:
             yield
         finally:

@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 from dspark import LLM, SamplingParams  # noqa: E402
 from dspark.config import EngineConfig  # noqa: E402
 from dspark.layers.attention import BatchLayout, TorchAttentionBackend  # noqa: E402
-from dspark.layers.triton_attention import TritonAttentionBackend  # noqa: E402
+from dspark.layers.triton_attention import TritonAttentionBackend, seq_len_hint  # noqa: E402
 from tests.conftest import write_tiny_checkpoint  # noqa: E402
 from tests.spec.drafters import OracleProposer, random_drafter  # noqa: E402
 
@@ -82,7 +82,8 @@ def test_backend_matches_torch_backend(name, seq_lens, q_lens, heads, head_dim):
 
     backend = TritonAttentionBackend("cpu")
     meta = backend.prepare(layout)
-    assert meta.max_query_len == max(q_lens) and meta.max_seq_len == max(seq_lens)
+    # the context hint rounded up as the graphs' buckets are (seq_len_hint: one launch setting per bucket)
+    assert meta.max_query_len == max(q_lens) and meta.max_seq_len == seq_len_hint(max(seq_lens)) >= max(seq_lens)
     got_cache = cache.clone()
     got = backend.forward(q, k, v, got_cache[0], got_cache[1], meta, scale)
     assert torch.equal(got_cache, ref_cache)  # the same K/V rows at the same slots, nothing else touched
@@ -94,7 +95,7 @@ def test_metadata_is_built_once_per_step_from_host_lists():
     meta = TritonAttentionBackend("cpu").prepare(layout)
     assert meta.seq_lens.dtype == meta.query_start_loc.dtype == torch.int32
     assert meta.seq_lens.tolist() == [9, 4] and meta.query_start_loc.tolist() == [0, 3, 4]
-    assert (meta.max_query_len, meta.max_seq_len) == (3, 9)
+    assert (meta.max_query_len, meta.max_seq_len) == (3, 512)  # seq_len_hint(9): the smallest bucket
     assert meta.slot_mapping is layout.slot_mapping and meta.block_tables is layout.block_tables
 
 
@@ -182,3 +183,14 @@ def test_cli_flags(target, capsys):
     engine = build_engine(args, logging.getLogger("test"))
     assert engine.config.attention_backend == "triton"
     assert isinstance(engine.runner.backend, TritonAttentionBackend)
+
+
+def test_seq_len_hint_follows_the_graph_buckets():
+    """Eager steps' context hint: the smallest power-of-two bucket from 512 that holds the step (a launch
+    setting per bucket, not one per length, so no compile inside a live step)."""
+    from dspark.engine.cuda_graphs import SMALLEST_BUCKET, context_buckets
+
+    assert SMALLEST_BUCKET == 512
+    assert [seq_len_hint(n) for n in (0, 1, 512, 513, 1024, 1500, 4097)] == [512, 512, 512, 1024, 1024, 2048, 8192]
+    buckets = context_buckets(8192)
+    assert all(seq_len_hint(n) in buckets for n in range(1, 8193, 97))

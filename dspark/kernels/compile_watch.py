@@ -1,0 +1,94 @@
+"""Run-time Triton compiles: which kernel specialisations compile after start-up, and for how long.
+
+Triton compiles a kernel once per specialisation (its constexpr arguments, the divisibility of its
+integer arguments, the launch options). CUDA-graph capture and ``LLMEngine.warm_up`` are meant to meet
+every specialisation a served step needs; one they miss compiles inside a live step, stalling it for
+0.1-2 s (H200, session 30: one 1.6 s compile inside a timed bench cell was the whole of an "adaptive
+verification is slower" reading). This module makes such compiles visible instead of inferred:
+``install`` chains Triton's JIT hooks (``triton.knobs.runtime.jit_cache_hook`` before a compile,
+``jit_post_compile_hook`` after; a kernel found in Triton's disk cache goes through them too, as a
+short compile) and counts every compile of the process with its kernel, constexprs and milliseconds.
+``arm`` marks the start of serving: from then on each compile is also logged as a warning.
+``dspark bench`` reports the compiles of each timed call (``runtime_compiles`` per cell).
+
+Off the GPU (Triton's interpreter) nothing compiles and the counts stay 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+logger = logging.getLogger(__name__)
+
+_lock = threading.Lock()
+_events: list[dict] = []  # every compile seen since install: kernel, ms, constexprs, armed
+_started: dict[int, float] = {}  # thread id -> perf_counter at the pre-compile hook
+_state = {"installed": False, "armed": False}
+
+
+def _constexprs(compile_kwargs: dict) -> str:
+    consts = compile_kwargs.get("constants") or {}
+    items = []
+    for k, v in consts.items():
+        name = k[0] if isinstance(k, tuple) and len(k) == 1 else k
+        items.append(f"{name}={v}")
+    return ", ".join(str(i) for i in items)
+
+
+def install() -> bool:
+    """Chain the counting hooks onto Triton's JIT hooks (once per process; hooks already set by
+    someone else still run). False if this Triton has no such hooks (then nothing is counted)."""
+    with _lock:
+        if _state["installed"]:
+            return True
+        try:
+            from triton import knobs
+            rt = knobs.runtime
+            prev_pre, prev_post = rt.jit_cache_hook, rt.jit_post_compile_hook
+        except (ImportError, AttributeError):
+            return False
+
+        def pre(*args, **kwargs):
+            _started[threading.get_ident()] = time.perf_counter()
+            return prev_pre(*args, **kwargs) if prev_pre is not None else None  # truthy would skip the compile
+
+        def post(*args, **kwargs):
+            t0 = _started.pop(threading.get_ident(), None)
+            ms = 1e3 * (time.perf_counter() - t0) if t0 is not None else float("nan")
+            fn = kwargs.get("fn")
+            name = getattr(fn, "name", None) or str(kwargs.get("repr", "?")).split("[")[0]
+            ev = {"kernel": name, "ms": ms, "constexprs": _constexprs(kwargs.get("compile") or {}),
+                  "num_warps": (kwargs.get("compile") or {}).get("num_warps"),
+                  "num_stages": (kwargs.get("compile") or {}).get("num_stages"), "armed": _state["armed"]}
+            with _lock:
+                _events.append(ev)
+            if ev["armed"]:
+                logger.warning("Triton compiled %s while serving (%.0f ms; %s): a specialisation that CUDA-graph "
+                               "capture and the warm-up did not meet", name, ms, ev["constexprs"])
+            return prev_post(*args, **kwargs) if prev_post is not None else None
+
+        rt.jit_cache_hook, rt.jit_post_compile_hook = pre, post
+        _state["installed"] = True
+        return True
+
+
+def arm(on: bool = True) -> None:
+    """From now on, log each compile as a warning (serving has started)."""
+    _state["armed"] = on
+
+
+def count() -> int:
+    """Compiles seen since install (a bench takes differences around a timed call)."""
+    with _lock:
+        return len(_events)
+
+
+def events(since: int = 0) -> list[dict]:
+    """The compiles from index ``since`` on: kernel, ms, constexprs, num_warps, num_stages, armed."""
+    with _lock:
+        return [dict(e) for e in _events[since:]]
+
+
+__all__ = ["install", "arm", "count", "events"]

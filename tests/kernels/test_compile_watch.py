@@ -1,0 +1,41 @@
+"""dspark.kernels.compile_watch: Triton's JIT hooks counted and, once armed, logged. Off the GPU nothing
+compiles (the interpreter), so the hooks are called here the way Triton's JITFunction._do_compile calls
+them (triton/runtime/jit.py: keyword arguments, the pre hook's truthy return skips the compile)."""
+
+import logging
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+
+def _fire(name="_paged_attention_kernel", consts=None):
+    from triton import knobs
+    from triton.runtime.jit import JitFunctionInfo
+
+    kw = dict(key=("k",), repr=f"{name}[num_warps=4]()", fn=JitFunctionInfo("m", name, None),
+              compile={"key": ("k",), "constants": consts or {("NUM_SPLITS",): 2}, "num_warps": 4, "num_stages": 3},
+              is_manual_warmup=False, already_compiled=False)
+    skip = knobs.runtime.jit_cache_hook(**kw)
+    knobs.runtime.jit_post_compile_hook(**kw)
+    return skip
+
+
+def test_compiles_are_counted_and_logged_once_armed(caplog):
+    from dspark.kernels import compile_watch
+
+    assert compile_watch.install() and compile_watch.install()  # idempotent
+    n0 = compile_watch.count()
+    compile_watch.arm(False)
+    with caplog.at_level(logging.WARNING, logger="dspark.kernels.compile_watch"):
+        assert not _fire()
+        assert not caplog.records  # not serving yet: counted, not logged
+        compile_watch.arm()
+        _fire("_markov_kernel", {("BLOCK_R",): 32})
+    compile_watch.arm(False)
+    ev = compile_watch.events(n0)
+    assert compile_watch.count() == n0 + 2 and [e["kernel"] for e in ev] == ["_paged_attention_kernel", "_markov_kernel"]
+    assert ev[0]["constexprs"] == "NUM_SPLITS=2" and ev[0]["num_stages"] == 3 and ev[0]["ms"] >= 0
+    assert [e["armed"] for e in ev] == [False, True]
+    assert len(caplog.records) == 1 and "_markov_kernel while serving" in caplog.records[0].getMessage()
+    assert "BLOCK_R=32" in caplog.records[0].getMessage()
