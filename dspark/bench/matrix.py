@@ -500,7 +500,8 @@ def _run_bench_matrix(a: argparse.Namespace) -> int:
         spec_info_b = asdict(spec_b_llm.engine.spec_config) | {
             "num_spec_tokens": spec_b_llm.engine.runner.num_spec_tokens}
     log(f"loaded {engine.model_name} on {device} ({engine.config.dtype}), systems {', '.join(labels.values())}, "
-        f"in {time.perf_counter() - t0:.1f}s")
+        f"in {time.perf_counter() - t0:.1f}s" + (f"; {compile_watch.count()} Triton compiles (or disk-cache loads) so far"
+                                                  if device.startswith("cuda") else ""))
     for name, info in (("dspark_spec", spec_info), ("dspark_spec_b", spec_info_b)):
         times = systems[name].llm.engine.runner.step_times if info is not None else None
         if times:  # adaptive verification: the profiled step-time table (StepGraphs.profile), ms

@@ -132,3 +132,38 @@ def test_runner_step_time_takes_the_smallest_profiled_batch_that_holds_the_batch
     runner = SimpleNamespace(step_times={3: table})
     assert [ModelRunner.step_time(runner, 3, b, False) for b in (1, 2, 8, 9, 32, 40)] == [1, 8, 8, 32, 32, 32]
     assert ModelRunner.step_time(runner, 3, 5, True) == 16.0
+
+
+def test_policy_tries_what_the_model_suggests_then_judges_on_measured_intervals():
+    """H200 session 31, T = 1, batch 128: profiled graphs 1.64 ms at 3 drafts and 2.29 at 7, read-backs at
+    7 drafts 4.0 ms apart of which 3.6 waiting for the GPU (GPU-bound; the drafter and real-context
+    attention are outside the profile, so 1.71 ms is "rest"). The model then puts 3 drafts 12 % ahead:
+    the policy moves there, and from then on each length's measured interval decides — staying when 3
+    drafts measure 2.9 ms, going back when they measure slower than the model said."""
+    prof = {3: 1.64e-3, 7: 2.29e-3}
+    e = _policy([0.5] * 7, [0.5] * 7, None).estimate
+    pol = VerifyLengthPolicy((3, 7), lambda n, b, s: prof[n], e, min_steps=0, min_timed=8)  # default margin 5 %
+    for _ in range(50):
+        pol.observe_step(7, 128, True, 4.0e-3, 3.6e-3)
+    assert pol.measured[(128, 7)] == (pytest.approx(4.0e-3), 50)
+    assert pol.real_step_time(7, 128, True) == pytest.approx(4.0e-3)  # measured
+    assert pol.real_step_time(3, 128, True) == pytest.approx(1.64e-3 + 1.71e-3)  # the model: never run at 3
+    assert pol.throughput(3, 0, 128) / pol.throughput(7, 0, 128) == pytest.approx(
+        (1.875 / 3.35e-3) / (1.9921875 / 4.0e-3), rel=1e-3)  # 1.124
+    assert pol.choose(7, 0, 128) == 3
+    pol.changed()
+    for _ in range(7):
+        pol.observe_step(3, 128, True, 2.9e-3, 2.5e-3)
+        pol.tick()
+    assert pol.real_step_time(3, 128, True) == pytest.approx(1.64e-3 + pol.host[128][1])  # 7 steps: the model yet
+    for _ in range(30):
+        pol.observe_step(3, 128, True, 2.9e-3, 2.5e-3)
+        pol.tick()
+    assert pol.real_step_time(3, 128, True) == pytest.approx(2.9e-3)
+    assert pol.choose(3, 0, 128) == 3
+    # the same move measured badly (a host-bound surprise): back to 7 once 3 drafts time at 4.2 ms
+    for _ in range(200):
+        pol.observe_step(3, 128, True, 4.2e-3, 0.0)
+    assert pol.real_step_time(3, 128, True) == pytest.approx(4.2e-3, rel=1e-3)
+    assert pol.choose(3, 0, 128) == 7
+    assert (64, 3) not in pol.measured  # timed per batch-size bucket
