@@ -9,6 +9,12 @@ checked against ``paged_attention_ref`` first. The contexts are drawn uniformly 
 bucket - q] per request, the launch is given ``max_seq_len = bucket`` as the engine's captured graphs
 are, and times are CUDA-graph replays (``triton.testing.do_bench_cudagraph``), median µs per call.
 
+L2: replayed alone, a kernel finds its caches in the H200's 50 MB L2 whenever they fit (batch 32 at 1k
+context: 25 MB), which no engine step does (30 layers' weights and caches pass between two reads of one
+layer's cache). Session 31's first sweep timed it so and its rule made batch-32 engine steps slower
+(docs/benchmarks.md). So by default (``--l2 cold``) each timed call first overwrites a buffer of twice
+the L2 and the time of that overwrite alone is subtracted; ``--l2 warm`` times the kernel alone.
+
 The point is ``dspark.kernels.paged_attention.PAGED_TUNING`` / ``tuned_launch``: the rule the wrapper
 applies when no launch parameter is forced. ``--out`` writes every row plus the best setting per shape
 as JSON; the printed table says, per shape, the untuned launch (``tuning=False``: default_num_splits'
@@ -81,6 +87,8 @@ def main() -> None:
     ap.add_argument("--stages", type=ints, default=(2, 3, 4))
     ap.add_argument("--splits", type=ints, default=(1, 2, 4, 8, 16, 32))
     ap.add_argument("--rep", type=int, default=25, help="ms of replays per timing (do_bench_cudagraph rep)")
+    ap.add_argument("--l2", choices=("cold", "warm"), default="cold",
+                    help="cold (default): flush the L2 before each call and subtract the flush's time")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("paged_tuning_sweep needs a CUDA GPU")
@@ -90,6 +98,14 @@ def main() -> None:
     from dspark.kernels.fused_ops import rope_qk_cache
 
     rows, best = [], []
+    flush_us = 0.0
+    if args.l2 == "cold":
+        l2 = torch.cuda.get_device_properties(0).L2_cache_size
+        scratch = torch.empty(2 * l2 // 4, dtype=torch.float32, device="cuda")
+        flush = scratch.zero_
+        flush_us = time_us(flush, args.rep)
+        print(f"L2 {l2 / 2**20:.0f} MiB: each timed call first overwrites {2 * l2 / 2**20:.0f} MiB "
+              f"({flush_us:.1f} µs, subtracted)", flush=True)
     for q_len, B, bucket in itertools.product(args.q_lens, args.batches, args.buckets):
         x = inputs(B, bucket, q_len)
         # the reference: rope_qk_cache into a copy of the caches, then the fp32 attention reference
@@ -114,7 +130,13 @@ def main() -> None:
             err = ((out - ref).abs() / ref.abs().clamp(min=1.0)).max().item()
             if err > 2e-2:
                 sys.exit(f"check failed: {label} {name}: max err {err:.3e}")
-            times[name] = us = time_us(lambda kw=kw: call(**kw), args.rep)
+            if args.l2 == "cold":
+                def timed(kw=kw):
+                    flush()
+                    call(**kw)
+                times[name] = us = time_us(timed, args.rep) - flush_us
+            else:
+                times[name] = us = time_us(lambda kw=kw: call(**kw), args.rep)
             rows.append({"q_len": q_len, "B": B, "bucket": bucket, "setting": name, "us": us, "max_err": err})
         top = min((k for k in times if k not in ("tuned", "untuned")), key=times.get)
         best.append({"q_len": q_len, "B": B, "bucket": bucket, "untuned_us": times["untuned"],
@@ -122,7 +144,7 @@ def main() -> None:
         print(f"{label:<28} untuned {times['untuned']:7.1f}  tuned {times['tuned']:7.1f}  "
               f"best {top:<16} {times[top]:7.1f} µs", flush=True)
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-           "paged_tuning": pa.PAGED_TUNING, "best": best, "rows": rows}
+           "paged_tuning": pa.PAGED_TUNING, "l2": args.l2, "l2_flush_us": flush_us, "best": best, "rows": rows}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(res, indent=2))

@@ -494,18 +494,23 @@ def paged_attention(
 # The launch rule the wrapper applies on the GPU when no launch parameter is forced (``tuned_launch``),
 # fitted to benchmarks/paged_tuning_sweep.py on the H200 (the RoPE-fused launch the engine runs, ragged
 # contexts in a bucket; docs/benchmarks.md "H200 session 31"): the key range is split to about
-# ``programs_per_sm`` programs per SM (default_num_splits' 4 over-splits from batch 8 on: 12-28 % slower
-# at batch 8-64), a slice of at least ``long_slice`` keys of the bucket takes 128-key tiles with 2
-# pipeline stages, a shorter one 64-key tiles with 3. Query tiles of 16 and 32 rows (decode and
-# verification steps); larger ones (prefill chunks) were not swept and keep the defaults.
-PAGED_TUNING = {"programs_per_sm": 1.5, "long_slice": 1024, "block_m": (16, 32)}
+# ``programs_per_sm`` programs per SM, a slice of at least ``long_slice`` keys of the bucket takes 128-key
+# tiles with 2 pipeline stages, a shorter one 64-key tiles with 3. Applied from ``min_programs``
+# (request, KV head) programs on (batch 128 with SmolLM2's 3 KV heads) and to 16- and 32-row query tiles
+# (decode and verification steps; prefill chunks were not swept) only: the sweep timed one kernel
+# replayed on one set of caches, which stay in the H200's 50 MB L2 up to ~batch 32 at 1k context, and
+# there it misled — in the engine (30 layers' caches, read from HBM) batch 32 steps got 0.05-0.15 ms
+# slower with the rule (session 31, three processes against one), while batch 128, whose caches never
+# fit L2 in the sweep either, got 0.14 ms faster (plain decode 2.00 -> 1.86 ms per step).
+PAGED_TUNING = {"programs_per_sm": 1.5, "long_slice": 1024, "block_m": (16, 32), "min_programs": 384}
 
 
 def tuned_launch(block_m: int, num_programs: int, max_seq_len: int | None, sms: int | None) -> dict:
     """PAGED_TUNING's block_n / num_stages / num_splits for a launch of ``num_programs`` (request, KV
     head, query chunk) programs with a ``block_m``-row query tile, captured for keys up to
     ``max_seq_len``, on a GPU of ``sms`` SMs; {} (the defaults) off the rule's ground."""
-    if block_m not in PAGED_TUNING["block_m"] or max_seq_len is None or sms is None:
+    if (block_m not in PAGED_TUNING["block_m"] or max_seq_len is None or sms is None
+            or num_programs < PAGED_TUNING["min_programs"]):
         return {}
     per_sm = PAGED_TUNING["programs_per_sm"]
     splits = split_count(num_programs, sms, max_seq_len, 64, per_sm)

@@ -252,23 +252,31 @@ def test_half_precision():
 
 
 def test_tuned_launch_rule():
-    """PAGED_TUNING's rule on an H200-sized GPU (132 SMs), at the shapes the session-31 sweep measured:
-    few programs split to ~1.5 per SM with 64-key tiles; slices of >= 1,024 bucket keys take 128-key
-    tiles and 2 stages; prefill-sized query tiles, unknown buckets and non-GPU devices keep the defaults."""
-    from dspark.kernels.paged_attention import tuned_launch
+    """PAGED_TUNING's rule on an H200-sized GPU (132 SMs): from 384 programs (batch 128) on, ~1.5 programs
+    per SM (no split there) with 64-key tiles and 3 stages for short buckets, 128-key tiles and 2 stages
+    for slices of >= 1,024 bucket keys; smaller launches (measured misleadingly, see PAGED_TUNING),
+    prefill-sized query tiles, unknown buckets and non-GPU devices keep the defaults."""
+    from dspark.kernels.paged_attention import PAGED_TUNING, tuned_launch
 
-    assert tuned_launch(16, 3, 2048, 132) == {"block_n": 64, "num_stages": 3, "num_splits": 32}  # decode B=1
-    assert tuned_launch(16, 3, 512, 132) == {"block_n": 64, "num_stages": 3, "num_splits": 8}  # a key tile per slice
-    assert tuned_launch(16, 24, 2048, 132) == {"block_n": 64, "num_stages": 3, "num_splits": 8}  # B=8
-    assert tuned_launch(16, 96, 512, 132) == {"block_n": 64, "num_stages": 3, "num_splits": 2}  # B=32, short
-    assert tuned_launch(16, 96, 2048, 132) == {"block_n": 128, "num_stages": 2, "num_splits": 2}  # B=32, long
+    assert tuned_launch(16, 384, 512, 132) == {"block_n": 64, "num_stages": 3, "num_splits": 1}  # decode B=128
+    assert tuned_launch(16, 384, 1024, 132) == {"block_n": 128, "num_stages": 2, "num_splits": 1}
     assert tuned_launch(32, 384, 512, 132) == {"block_n": 64, "num_stages": 3, "num_splits": 1}  # verify B=128
-    assert tuned_launch(32, 384, 2048, 132) == {"block_n": 128, "num_stages": 2, "num_splits": 1}
+    assert tuned_launch(32, 768, 2048, 132) == {"block_n": 128, "num_stages": 2, "num_splits": 1}
+    assert tuned_launch(16, 96, 2048, 132) == tuned_launch(16, 383, 2048, 132) == {}  # below min_programs
     assert tuned_launch(64, 384, 2048, 132) == {}
-    assert tuned_launch(16, 96, None, 132) == {} and tuned_launch(16, 96, 2048, None) == {}
+    assert tuned_launch(16, 384, None, 132) == {} and tuned_launch(16, 384, 2048, None) == {}
+    # the split rule itself where it would apply to smaller launches: ~1.5 programs per SM, a key tile per slice
+    old, PAGED_TUNING["min_programs"] = PAGED_TUNING["min_programs"], 0
+    try:
+        assert tuned_launch(16, 3, 2048, 132) == {"block_n": 64, "num_stages": 3, "num_splits": 32}
+        assert tuned_launch(16, 3, 512, 132) == {"block_n": 64, "num_stages": 3, "num_splits": 8}
+        assert tuned_launch(16, 24, 2048, 132) == {"block_n": 64, "num_stages": 3, "num_splits": 8}
+        assert tuned_launch(16, 96, 2048, 132) == {"block_n": 128, "num_stages": 2, "num_splits": 2}
+    finally:
+        PAGED_TUNING["min_programs"] = old
 
 
-@pytest.mark.parametrize("block_m,programs,bucket", [(16, 3, 256), (16, 96, 2048), (32, 384, 512)])
+@pytest.mark.parametrize("block_m,programs,bucket", [(16, 384, 256), (16, 384, 2048), (32, 384, 512)])
 def test_tuned_settings_match_the_reference(block_m, programs, bucket):
     """Each kind of setting the rule picks (64- or 128-key tiles, split or not) gives the reference's
     output on a ragged batch (the interpreter ignores the stage count; the GPU sweep checks those)."""
