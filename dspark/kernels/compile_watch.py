@@ -85,10 +85,17 @@ def count() -> int:
         return len(_events)
 
 
+def serving_compiles() -> tuple[int, float]:
+    """(compiles, seconds) since ``arm``: what /metrics reports as dspark:triton_compiles_while_serving."""
+    with _lock:
+        ev = [e for e in _events if e["armed"]]
+    return len(ev), sum(e["ms"] for e in ev if e["ms"] == e["ms"]) / 1e3
+
+
 def events(since: int = 0) -> list[dict]:
     """The compiles from index ``since`` on: kernel, ms, constexprs, num_warps, num_stages, armed."""
     with _lock:
         return [dict(e) for e in _events[since:]]
 
 
-__all__ = ["install", "arm", "count", "events"]
+__all__ = ["install", "arm", "count", "events", "serving_compiles"]

@@ -155,6 +155,9 @@ def build_engine(args: argparse.Namespace, log: logging.Logger) -> Any:
         raise
     for note in getattr(engine, "spec_notes", None) or []:
         log.info("speculative decoding: %s", note)
+    watch = sys.modules.get("dspark.kernels.compile_watch")  # loaded by a CUDA engine
+    if watch is not None:
+        watch.arm()  # built, captured and warmed up: a compile from now on stalls a served step (logged, /metrics)
     cap = engine.kv.num_usable_blocks * engine.kv.block_size
     if cap < engine.config.max_model_len:
         raise ValueError(

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import sys
 import threading
 import traceback
 from dataclasses import dataclass, replace
@@ -387,6 +388,9 @@ def engine_snapshot(engine: LLMEngine) -> dict[str, Any]:
     spec = engine_spec_snapshot(engine)
     if spec is not None:
         snap["spec"] = spec
+    watch = sys.modules.get("dspark.kernels.compile_watch")  # loaded by a CUDA engine
+    if watch is not None:
+        snap["compiles_while_serving"], snap["compile_seconds_while_serving"] = watch.serving_compiles()
     return snap
 
 

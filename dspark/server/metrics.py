@@ -75,6 +75,14 @@ class _EngineStateCollector(Collector):
                     snap.get("prefix_hit_rate", 0.0))
         alive = m.engine_client.alive if m.engine_client is not None else False
         yield gauge("dspark:engine_alive", "1 while the engine thread serves requests.", 1.0 if alive else 0.0)
+        for name, key, doc in (
+                ("dspark:triton_compiles_while_serving", "compiles_while_serving",
+                 "Triton kernel compiles after start-up (each stalls the step it happens in; kernels/compile_watch.py)."),
+                ("dspark:triton_compile_seconds_while_serving", "compile_seconds_while_serving",
+                 "Seconds those compiles took.")):
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric([m.model_name], float(snap.get(key, 0)))
+            yield c
         spec = m.spec_snapshot()
         if spec is not None:
             yield from _spec_families(m.model_name, spec)

@@ -38,4 +38,6 @@ def test_compiles_are_counted_and_logged_once_armed(caplog):
     assert ev[0]["constexprs"] == "NUM_SPLITS=2" and ev[0]["num_stages"] == 3 and ev[0]["ms"] >= 0
     assert [e["armed"] for e in ev] == [False, True]
     assert len(caplog.records) == 1 and "_markov_kernel while serving" in caplog.records[0].getMessage()
+    n, secs = compile_watch.serving_compiles()  # what /metrics reports (armed compiles only)
+    assert n >= 1 and secs >= 0 and n == sum(e["armed"] for e in compile_watch.events())
     assert "BLOCK_R=32" in caplog.records[0].getMessage()

@@ -174,6 +174,7 @@ def test_engine_failure_gives_503_not_a_crash(caplog):
     assert r2.status_code == 503
     assert health.status_code == 503 and set(health.json()["error"]) == {"message", "type", "param", "code"}
     assert 'dspark:engine_alive{model_name="fake"} 0.0' in metrics.text
+    assert 'dspark:triton_compiles_while_serving_total{model_name="fake"} 0.0' in metrics.text  # no CUDA engine
 
 
 def test_serve_parser_flags():
