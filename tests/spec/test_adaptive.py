@@ -48,7 +48,7 @@ def _policy(cond_greedy, cond_sampled, step_time, **kw):
     e.reached[:] = 1000.0
     e.accepted[GREEDY] = 1000.0 * np.array(cond_greedy)
     e.accepted[SAMPLED] = 1000.0 * np.array(cond_sampled)
-    return VerifyLengthPolicy((1, 3, n), step_time, e, **{"margin": 0.0, "min_steps": 0, **kw})
+    return VerifyLengthPolicy((1, 3, n), step_time, e, **{"margin": 0.0, "min_steps": 0, "explore": None, **kw})
 
 
 def test_policy_maximises_tokens_per_second():
@@ -142,7 +142,8 @@ def test_policy_tries_what_the_model_suggests_then_judges_on_measured_intervals(
     drafts measure 2.9 ms, going back when they measure slower than the model said."""
     prof = {3: 1.64e-3, 7: 2.29e-3}
     e = _policy([0.5] * 7, [0.5] * 7, None).estimate
-    pol = VerifyLengthPolicy((3, 7), lambda n, b, s: prof[n], e, min_steps=0, min_timed=8)  # default margin 5 %
+    pol = VerifyLengthPolicy((3, 7), lambda n, b, s: prof[n], e, min_steps=0, min_timed=8,
+                             explore=None)  # default margin 5 %
     for _ in range(50):
         pol.observe_step(7, 128, True, 4.0e-3, 3.6e-3)
     assert pol.measured[(128, 7)] == (pytest.approx(4.0e-3), 50)
@@ -167,3 +168,27 @@ def test_policy_tries_what_the_model_suggests_then_judges_on_measured_intervals(
     assert pol.real_step_time(3, 128, True) == pytest.approx(4.2e-3, rel=1e-3)
     assert pol.choose(3, 0, 128) == 7
     assert (64, 3) not in pol.measured  # timed per batch-size bucket
+
+
+def test_policy_times_a_length_the_model_puts_close():
+    """T = 1, batch 32 (session 31): profiled 1.28 / 1.48 ms at 3 / 7 drafts, read-backs at 7 drafts 2.2 ms
+    apart (1.7 waiting). The model puts 3 drafts 2 % ahead — under the 5 % margin — but within the 10 %
+    exploration band, so once 7 is timed the policy tries 3; measured at 1.8 ms it keeps 3. A length the
+    model puts far behind (1 draft here) is never tried; with explore=None nothing is."""
+    prof = {1: 1.2e-3, 3: 1.28e-3, 7: 1.48e-3}
+    e = _policy([0.5] * 7, [0.55] * 7, None).estimate
+    mk = lambda **kw: VerifyLengthPolicy((1, 3, 7), lambda n, b, s: prof[n], e, min_steps=0, **kw)  # noqa: E731
+    pol, off = mk(), mk(explore=None)
+    for p in (pol, off):
+        for _ in range(20):
+            p.observe_step(7, 32, True, 2.2e-3, 1.7e-3)
+    th = {n: pol.throughput(n, 0, 32) for n in (1, 3, 7)}
+    assert 1.0 < th[3] / th[7] < 1.05 and th[1] / th[7] < 0.9
+    assert off.choose(7, 0, 32) == 7
+    assert pol.choose(7, 0, 32) == 3
+    pol.changed()
+    for _ in range(20):
+        pol.observe_step(3, 32, True, 1.8e-3, 1.3e-3)
+        pol.tick()
+    assert pol.real_step_time(3, 32, True) == pytest.approx(1.8e-3)
+    assert pol.choose(3, 0, 32) == 3  # measured: 3 drafts ahead; 1 draft still far behind, not tried
