@@ -497,11 +497,12 @@ def paged_attention(
 # ``programs_per_sm`` programs per SM, a slice of at least ``long_slice`` keys of the bucket takes 128-key
 # tiles with 2 pipeline stages, a shorter one 64-key tiles with 3. Applied from ``min_programs``
 # (request, KV head) programs on (batch 128 with SmolLM2's 3 KV heads) and to 16- and 32-row query tiles
-# (decode and verification steps; prefill chunks were not swept) only: the sweep timed one kernel
-# replayed on one set of caches, which stay in the H200's 50 MB L2 up to ~batch 32 at 1k context, and
-# there it misled — in the engine (30 layers' caches, read from HBM) batch 32 steps got 0.05-0.15 ms
-# slower with the rule (session 31, three processes against one), while batch 128, whose caches never
-# fit L2 in the sweep either, got 0.14 ms faster (plain decode 2.00 -> 1.86 ms per step).
+# (decode and verification steps; prefill chunks were not swept) only: in the engine, batch 32 steps got
+# 0.05-0.15 ms slower with the rule (session 31, three processes against one) though the sweep had it
+# faster there — likely because the sweep replayed one kernel on one set of caches, which stay in the
+# H200's 50 MB L2 up to ~batch 32 at 1k context, where the engine reads them from HBM (the sweep now
+# flushes the L2 by default) — while batch 128, whose caches exceed the L2 in the sweep too, got
+# 0.11-0.14 ms faster (plain decode 2.00 -> 1.86 ms per step).
 PAGED_TUNING = {"programs_per_sm": 1.5, "long_slice": 1024, "block_m": (16, 32), "min_programs": 384}
 
 
