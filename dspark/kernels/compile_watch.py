@@ -29,12 +29,15 @@ _state = {"installed": False, "armed": False}
 
 
 def _constexprs(compile_kwargs: dict) -> str:
-    consts = compile_kwargs.get("constants") or {}
+    """``NAME=value, ...`` of a compile's constexprs. Triton (3.6) keys them by their path in the
+    argument list, ``(index,)``; the names come from the signature, whose keys are the parameters in order."""
+    names = list((compile_kwargs.get("signature") or {}).keys())
     items = []
-    for k, v in consts.items():
-        name = k[0] if isinstance(k, tuple) and len(k) == 1 else k
+    for k, v in (compile_kwargs.get("constants") or {}).items():
+        i = k[0] if isinstance(k, tuple) and len(k) == 1 else k
+        name = names[i] if isinstance(i, int) and 0 <= i < len(names) else i
         items.append(f"{name}={v}")
-    return ", ".join(str(i) for i in items)
+    return ", ".join(items)
 
 
 def install() -> bool:

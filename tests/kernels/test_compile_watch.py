@@ -10,11 +10,14 @@ triton = pytest.importorskip("triton")
 
 
 def _fire(name="_paged_attention_kernel", consts=None):
+    """One compile as Triton 3.6 reports it: constexprs keyed by their (index,) path, the signature by name."""
     from triton import knobs
     from triton.runtime.jit import JitFunctionInfo
 
+    signature = {"q_ptr": "*bf16", "n": "i32", "NUM_SPLITS": "constexpr", "BLOCK_R": "constexpr"}
     kw = dict(key=("k",), repr=f"{name}[num_warps=4]()", fn=JitFunctionInfo("m", name, None),
-              compile={"key": ("k",), "constants": consts or {("NUM_SPLITS",): 2}, "num_warps": 4, "num_stages": 3},
+              compile={"key": ("k",), "signature": signature, "constants": consts or {(2,): 2}, "num_warps": 4,
+                       "num_stages": 3},
               is_manual_warmup=False, already_compiled=False)
     skip = knobs.runtime.jit_cache_hook(**kw)
     knobs.runtime.jit_post_compile_hook(**kw)
@@ -31,7 +34,7 @@ def test_compiles_are_counted_and_logged_once_armed(caplog):
         assert not _fire()
         assert not caplog.records  # not serving yet: counted, not logged
         compile_watch.arm()
-        _fire("_markov_kernel", {("BLOCK_R",): 32})
+        _fire("_markov_kernel", {(3,): 32})
     compile_watch.arm(False)
     ev = compile_watch.events(n0)
     assert compile_watch.count() == n0 + 2 and [e["kernel"] for e in ev] == ["_paged_attention_kernel", "_markov_kernel"]
