@@ -156,6 +156,14 @@ class LLMEngine:
         seed_state = self._seed_rng.getstate()  # requests without a seed draw theirs from this stream
         V, L = self.model_config.vocab_size, self.config.max_model_len
         budget = 8  # new tokens per request
+        # and one prompt just past each context bucket's lower edge (cuda_graphs.context_buckets): eager
+        # steps take their attention launch by bucket (layers/triton_attention.seq_len_hint), so the first
+        # prompt of each bucket would otherwise compile its launch while served (kernels/compile_watch.py)
+        from dspark.engine.cuda_graphs import context_buckets
+
+        room = self.kv.num_usable_blocks * self.kv.block_size // 2
+        edges = [b + 1 for b in context_buckets(L)[:-1] if b + 1 + budget < min(L, room)]
+        lengths = tuple(lengths[:-1]) + tuple(edges) + tuple(lengths[-1:])
         prompts = [[(11 + 31 * j) % V for j in range(max(1, min(n, L - budget - 1)))] for n in lengths]
         params = [SamplingParams(temperature=0.0, max_tokens=budget, ignore_eos=True),
                   SamplingParams(temperature=1.0, top_p=0.9, seed=0, max_tokens=budget, ignore_eos=True)]

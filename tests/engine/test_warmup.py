@@ -45,3 +45,20 @@ def test_warm_up_leaves_no_trace(target, tmp_path, spec):
 
 def test_warm_up_is_off_by_default_on_a_cpu(target):
     assert LLM(str(target), device="cpu", num_kv_blocks=32, block_size=4).engine.warmup_s is None
+
+
+def test_warm_up_reaches_every_context_bucket(target):
+    """A prompt just past each context bucket's lower edge (512, 1024, ... below max_model_len), so the
+    eager launches of each bucket (layers/triton_attention.seq_len_hint) compile at start-up; none that
+    the KV pool could not hold twice, and still no trace."""
+    def prompt_lengths(num_kv_blocks):
+        eng = LLM(str(target), device="cpu", block_size=16, num_kv_blocks=num_kv_blocks, max_num_seqs=4,
+                  max_model_len=1024, warmup=False).engine
+        seen, add = [], eng.add_request
+        eng.add_request = lambda p, *a, **k: seen.append(len(p)) or add(p, *a, **k)
+        eng.warm_up()
+        assert not eng.requests and eng.kv.num_free_blocks == eng.kv.num_usable_blocks and not eng.kv.cached
+        return seen
+
+    assert prompt_lengths(160) == [5, 16, 513, 37]  # buckets [512, 1024]
+    assert prompt_lengths(60) == [5, 16, 37]  # 513 + 8 tokens: more than half of a 960-slot pool
