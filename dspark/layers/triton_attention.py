@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dspark.engine.cuda_graphs import SMALLEST_BUCKET
 from dspark.layers.attention import BatchLayout
 
 logger = logging.getLogger(__name__)
@@ -61,8 +62,6 @@ def seq_len_hint(n: int) -> int:
     each launch setting is a separate Triton compile, so an eager step (a prefill, a mixed step) takes
     the setting of its bucket, which the graphs' capture and the warm-up compiled, instead of one per
     context length that would compile inside a live step."""
-    from dspark.engine.cuda_graphs import SMALLEST_BUCKET
-
     b = SMALLEST_BUCKET
     while b < n:
         b *= 2
