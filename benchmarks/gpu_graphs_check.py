@@ -8,6 +8,10 @@ parts (comma-separated, default all):
            graph replay (CUDA events) for the target decode step (q=1), the verification step (q=1+N)
            and the drafter step, at batch 1/8/32, context 1k; the 1k-context decode step under
            max_model_len 8192 vs 1024 (context buckets); eager vs graph engine tok/s at batch 1.
+  kernels  the same shapes: the GPU kernels of one plain decode step (target + sampling graphs) and one
+           greedy DSpark step (target q=1+N + verification + drafter graphs) at batch 1 and 32, context
+           1k, under torch.profiler (graph replays), by kernel name: where a verification step's extra
+           time over a decode step goes.
 Writes OUT_DIR/graphs_check.json and prints a summary.
 """
 
@@ -25,7 +29,7 @@ import torch
 from dspark import LLM, SamplingParams
 
 out_dir = Path(sys.argv[1])
-parts = sys.argv[2].split(",") if len(sys.argv) > 2 else ["correct", "steps"]
+parts = sys.argv[2].split(",") if len(sys.argv) > 2 else ["correct", "steps", "kernels"]
 out_dir.mkdir(parents=True, exist_ok=True)
 res: dict = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d")}
 tmp = Path(tempfile.mkdtemp())
@@ -183,5 +187,60 @@ if "steps" in parts:
             report(name, row)
             res["steps"] = steps
             save()
+
+if "kernels" in parts:
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.smol_random import smol_checkpoint
+    from dspark.drafters import shipped_drafter
+    from dspark.engine.cuda_graphs import VERIFY_GREEDY
+
+    target = smol_checkpoint()
+    kern: dict = {}
+    for spec in (False, True):
+        kw = dict(device="cuda", dtype="bfloat16", max_model_len=2048, max_num_seqs=32, attention_backend="triton",
+                  kv_cache_memory_gb=4)
+        if spec:
+            kw["speculative_config"] = {"model": str(shipped_drafter("smollm2-135m-instruct"))}
+        name = "dspark" if spec else "plain"
+        try:
+            llm = LLM(str(target), **kw)
+            gr = llm.engine.runner.graphs
+            for B in (1, 32):
+                Bg, bucket, _ = fill(gr, B, 1000)
+                seq = [gr.target[(Bg, bucket)]] + ([gr.verify[(Bg, VERIFY_GREEDY)], gr.draft[(Bg, bucket, False)]]
+                                                   if spec else [gr.sample[(Bg, False)]])
+                reps = 50
+                for _ in range(5):
+                    for c in seq:
+                        c.graph.replay()
+                torch.cuda.synchronize()
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(reps):
+                        for c in seq:
+                            c.graph.replay()
+                    torch.cuda.synchronize()
+                rows = []
+                for e in prof.key_averages():
+                    t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+                    if t > 0:
+                        rows.append({"name": e.key[:100], "per_step": round(e.count / reps, 2),
+                                     "us_per_step": round(t / reps, 2)})
+                rows.sort(key=lambda r: -r["us_per_step"])
+                steps_ms = [replay_ms(gr, {0: c}, 0) for c in seq]
+                kern[f"{name}/B{B}"] = {"graph_ms": [round(x, 4) for x in steps_ms], "total_ms": round(sum(steps_ms), 4),
+                                        "kernels_per_step": round(sum(r["per_step"] for r in rows), 1),
+                                        "kernel_us_per_step": round(sum(r["us_per_step"] for r in rows), 1),
+                                        "kernels": rows[:40]}
+                report(f"kernels {name}/B{B}", {k: v for k, v in kern[f"{name}/B{B}"].items() if k != "kernels"})
+                for r in rows[:25]:
+                    print("   ", r, flush=True)
+            del llm
+            torch.cuda.empty_cache()
+        except Exception as e:
+            kern[name] = error_row(e)
+            report(f"kernels {name}", kern[name])
+        res["kernels"] = kern
+        save()
 save()
 print("done", flush=True)

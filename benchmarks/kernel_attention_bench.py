@@ -145,7 +145,7 @@ def run_paged(configs, dtype, checks, rows, sweep: bool = False) -> None:
                          "kv_GBps": kv_bytes / us / 1e3, "timed_as": how})
 
 
-def run_drafter(configs, dtype, checks, rows, sweep: bool = False) -> None:
+def run_drafter(configs, dtype, checks, rows, sweep: bool = False, only: tuple[str, ...] | None = None) -> None:
     from dspark.kernels.drafter_attention import drafter_attention, drafter_attention_naive, drafter_attention_ref
     from dspark.layers.attention import context_slots
 
@@ -191,6 +191,8 @@ def run_drafter(configs, dtype, checks, rows, sweep: bool = False) -> None:
                               2e-2, checks)
                         paths[f"s{S}_n{N}_w{W}"] = lambda kw=kw: drafter_attention(**x, **kw)
         for name, fn in paths.items():
+            if only is not None and name not in only:
+                continue
             us, how = time_us(fn)
             rows.append({"kernel": "drafter", "B": B, "gamma": gamma, "ctx": ctx, "path": name, "us": us, "timed_as": how})
 
@@ -259,6 +261,10 @@ def main() -> None:
                     help="also time the drafter kernel over split counts x key tiles x warps")
     ap.add_argument("--paged-sweep", action="store_true",
                     help="also time paged attention at batch >= 32 over key tiles x warps x stages x splits")
+    ap.add_argument("--drafter-scaling", action="store_true",
+                    help="only the drafter kernel (shared tile, naive), gamma 7, batch 1-32 x context 128-4,000: "
+                         "how its time grows with batch at each context (the issue's floors: batch 12 within 1.3x "
+                         "of batch 1, >= 5x the naive kernel at batch 12)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("kernel_attention_bench needs a CUDA GPU")
@@ -272,8 +278,12 @@ def main() -> None:
     rows: list = []
     fp32_checks(checks)
     graph_replay_checks(checks)
-    run_paged(paged, dtype, checks, rows, sweep=args.paged_sweep)
-    run_drafter(drafter, dtype, checks, rows, sweep=args.drafter_sweep)
+    if args.drafter_scaling:
+        scaling = [(B, 7, ctx) for ctx in (128, 512, 1000, 4000) for B in (1, 2, 4, 8, 12, 32)]
+        run_drafter(scaling, dtype, checks, rows, only=("shared_tile", "naive", "torch_sdpa"))
+    else:
+        run_paged(paged, dtype, checks, rows, sweep=args.paged_sweep)
+        run_drafter(drafter, dtype, checks, rows, sweep=args.drafter_sweep)
     print_table(rows)
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
            "dtype": "bfloat16", "shapes": {"q_heads": HQ, "kv_heads": HKV, "head_dim": HEAD_DIM, "page": PAGE},
