@@ -22,11 +22,12 @@ parts (comma-separated, default all):
   spec_t1  the same at temperature 1 (seeded): one-sync steps for sampled requests (runner.one_sync_sampled)
            on vs off; identical tokens.
   gemv     (not in the default list) the few-row GEMV kernels of dspark/kernels/gemv.py, bf16, SmolLM2 shapes,
-           M = 1/6/8 rows: (a) µs in a graph of 30 of add_rms_norm_linear vs add_rms_norm + matmul
+           M = 1/2/8/16 rows: (a) µs in a graph of 30 of add_rms_norm_linear vs add_rms_norm + matmul
            (576 -> 960), add_rms_norm_gate_up_silu vs add_rms_norm + matmul + silu_and_mul (576 -> 2x1536),
            linear_small_m vs matmul (576 -> 576, 1536 -> 576), max abs diff vs the unfused result, the
-           same with output-major weights, and at M = 1 a sweep of launch configurations (block_n,
-           block_k, num_warps, num_stages); per_layer_sum adds the four products' sums.
+           same with output-major weights, and at M = 1 and 8 a sweep of launch configurations (block_n,
+           block_k, num_warps, num_stages; at 8 also the row loop, rows3d=False); per_layer_sum adds the
+           four products' sums.
   gemv_engine (not in the default list) the engine (greedy, EOS ignored) at B=1 x 256 and
            B=8 x 128 tokens with models/llama.py SMALL_M_GEMV off, on, and on with cuBLAS kept for o_proj /
            down_proj (SMALL_M_GEMV_PLAIN False), and on for steps of up to 8 rows (GEMV_MAX_ROWS 8: B=8
@@ -50,6 +51,7 @@ Writes OUT_DIR/fastpath.json and prints a summary.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -304,8 +306,13 @@ if "gemv" in parts:
     # a small sweep at M = 1 only: every setting is a Triton compile per kernel (~1-2 s each)
     SWEEP = {"bn4": dict(block_n=4), "bn16": dict(block_n=16), "warps8": dict(num_warps=8),
              "bk128_s3": dict(block_k=128), "bn16_bk128_s3": dict(block_n=16, block_k=128)}
+    # at M = 8 (a batch-1 verification block of 1 + 7 drafts): the row loop (the kernels' path for several
+    # rows until session 32) against the partial-product path's configurations
+    SWEEP8 = {"rowloop": dict(rows3d=False), "bk32": dict(block_k=32), "bk128": dict(block_k=128),
+              "bn16": dict(block_n=16), "warps8": dict(num_warps=8)}
+    gemv_rows = tuple(int(m) for m in os.environ.get("GEMV_ROWS", "1,2,8,16").split(","))
     rows = {}
-    for M in (1, 6, 8):
+    for M in gemv_rows:
         x, r, xi = rnd(M, H), rnd(M, H, scale=4.0), rnd(M, I)
 
         def cases(w):
@@ -334,9 +341,9 @@ if "gemv" in parts:
                 row["unfused_output_major_us"] = graph_us(om[name][1])
             except Exception as e:  # noqa: BLE001
                 row["output_major_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-            if M == 1:
+            if M == 8 or (M == 1 and os.environ.get("GEMV_SWEEP1", "1") == "1"):
                 sweep = {}
-                for label, cfg in SWEEP.items():
+                for label, cfg in (SWEEP if M == 1 else SWEEP8).items():
                     try:
                         sweep[label] = graph_us(lambda: fused(cfg))
                     except Exception as e:  # noqa: BLE001  (e.g. out of registers / shared memory)
@@ -348,7 +355,7 @@ if "gemv" in parts:
             rows[f"{name}_M{M}"] = row
             report(f"gemv/{name}_M{M}", row)
     per_layer = {}
-    for M in (1, 6, 8):
+    for M in gemv_rows:
         un = sum(rows[f"{n}_M{M}"]["unfused_us"] for n in ("qkv", "gate_up", "o", "down"))
         fu = sum(rows[f"{n}_M{M}"]["fused_us"] for n in ("qkv", "gate_up", "o", "down"))
         fu_keep_cublas = sum(rows[f"{n}_M{M}"]["fused_us"] for n in ("qkv", "gate_up")) + sum(
@@ -462,7 +469,7 @@ def _gemv_rows(target, kw, on):
         llama.GEMV_MAX_ROWS = 1
 
 
-if "spec_gemv" in parts:  # greedy DSpark, B=1 verification (6 rows) on the GEMVs vs cuBLAS
+if "spec_gemv" in parts:  # greedy DSpark, B=1 verification (1 + 7 rows) on the GEMVs vs cuBLAS
     spec_part("spec_gemv", "gemv_max_rows_8", 0.0, "async", _gemv_rows)
 
 if "train" in parts:  # the trainer's step time, fp32 vs TF32 lm_head products vs + compiled loss
