@@ -306,10 +306,11 @@ if "gemv" in parts:
     # a small sweep at M = 1 only: every setting is a Triton compile per kernel (~1-2 s each)
     SWEEP = {"bn4": dict(block_n=4), "bn16": dict(block_n=16), "warps8": dict(num_warps=8),
              "bk128_s3": dict(block_k=128), "bn16_bk128_s3": dict(block_n=16, block_k=128)}
-    # at M = 8 (a batch-1 verification block of 1 + 7 drafts): the row loop (the kernels' path for several
-    # rows until session 32) against the partial-product path's configurations
-    SWEEP8 = {"rowloop": dict(rows3d=False), "bk32": dict(block_k=32), "bk128": dict(block_k=128),
-              "bn16": dict(block_n=16), "warps8": dict(num_warps=8)}
+    # at M = 8 (a batch-1 verification block of 1 + 7 drafts): the row loop's launch settings. Session 32
+    # also timed a [rows, K, N] partial-product path here (commit 77bfe8c, removed again): 2-4x slower than
+    # the row loop for qkv and gate_up (docs/benchmarks.md, "H200 session 32").
+    SWEEP8 = {"bk32": dict(block_k=32), "bk128": dict(block_k=128), "bn16": dict(block_n=16),
+              "warps8": dict(num_warps=8)}
     gemv_rows = tuple(int(m) for m in os.environ.get("GEMV_ROWS", "1,2,8,16").split(","))
     rows = {}
     for M in gemv_rows:

@@ -66,7 +66,6 @@ from dspark.kernels.fused_ops import _launch_opts, add_rms_norm_reference, cast_
 MAX_ROWS = 16  # the row loop is unrolled: more rows belong to a GEMM
 TARGET_PROGRAMS = 128  # about the SM count (H200: 132): programs wanted along N
 WEIGHT_ELEMS_PER_THREAD = 64  # register budget of the weight tile(s) per K step
-ROWS3D_ELEMS_PER_THREAD = 32  # register budget of the several-row path's partial products per thread
 NORM_TILE_ELEMS = 8192  # rows x K elements of the sum-of-squares tile
 
 
@@ -78,15 +77,12 @@ def _gemv_kernel(
     K, N, UP,
     M: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr,
     NUM_STAGES: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
-    GATE_UP: tl.constexpr, PRECISE: tl.constexpr, ROWS3D: tl.constexpr,
+    GATE_UP: tl.constexpr, PRECISE: tl.constexpr,
 ):
     """y[:, n] = a @ W[:, n] for this program's BLOCK_N columns n, a = x (plain) or
     weight_norm * rmsnorm(x + residual) (NORM). GATE_UP: also u = a @ W[:, UP + n], y = silu(y) * u.
     The product: one loop over K in BLOCK_K steps, each weight tile loaded once and multiplied with
-    every row (BM: M padded to a power of two; rows >= M are not stored), either by a static loop over
-    the M rows, each reduced over the K slice at once (the one-row path), or (ROWS3D, several rows) as
-    a [BM, BLOCK_K, BLOCK_N] tile of partial products accumulated over the K steps and reduced over K
-    once at the end: one cross-thread reduction per program instead of one per row and K step."""
+    every row by a static loop over the M rows (BM: M padded to a power of two; rows >= M are not stored)."""
     pid = tl.program_id(0)
     dt = x_ptr.dtype.element_ty
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -113,56 +109,29 @@ def _gemv_kernel(
     acc = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
     kb = tl.arange(0, BLOCK_K)
-    if ROWS3D:  # every row at once: partial products per (row, K lane, column), reduced over K at the end
-        acc3 = tl.zeros([BM, BLOCK_K, BLOCK_N], dtype=tl.float32)
-        acc3_u = tl.zeros([BM, BLOCK_K, BLOCK_N], dtype=tl.float32)
-        for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-            k = k0 + kb
-            km = k < K
-            wmask = km[:, None] & nm[None, :]
-            w_off = k[:, None] * stride_wk + n[None, :] * stride_wn
-            w = tl.load(w_ptr + w_off, mask=wmask, other=0.0).to(tl.float32)
-            if GATE_UP:
-                wu = tl.load(w_ptr + w_off + UP * stride_wn, mask=wmask, other=0.0).to(tl.float32)
-            xm = rm[:, None] & km[None, :]
-            a = tl.load(x_ptr + rows[:, None] * stride_x + k[None, :], mask=xm, other=0.0)
-            if NORM:  # fused_ops.add_rms_norm's roundings, on this K slice of every row
-                if HAS_RES:
-                    r = tl.load(r_ptr + rows[:, None] * stride_r + k[None, :], mask=xm, other=0.0)
-                    a = cast_rtne(a.to(tl.float32) + r.to(tl.float32), dt)
-                g = tl.load(nw_ptr + k, mask=km, other=0.0).to(tl.float32)
-                a = cast_rtne(cast_rtne(a.to(tl.float32) * inv[:, None], dt).to(tl.float32) * g[None, :], dt)
-            af = a.to(tl.float32)[:, :, None]
-            acc3 += af * w[None, :, :]
-            if GATE_UP:
-                acc3_u += af * wu[None, :, :]
-        acc = tl.sum(acc3, 1)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):  # the K loop
+        k = k0 + kb
+        km = k < K
+        wmask = km[:, None] & nm[None, :]
+        w_off = k[:, None] * stride_wk + n[None, :] * stride_wn
+        w = tl.load(w_ptr + w_off, mask=wmask, other=0.0).to(tl.float32)  # the weight first: in flight early
         if GATE_UP:
-            acc_u = tl.sum(acc3_u, 1)
-    else:
-        for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):  # the K loop, row by row
-            k = k0 + kb
-            km = k < K
-            wmask = km[:, None] & nm[None, :]
-            w_off = k[:, None] * stride_wk + n[None, :] * stride_wn
-            w = tl.load(w_ptr + w_off, mask=wmask, other=0.0).to(tl.float32)  # the weight first: in flight early
+            wu = tl.load(w_ptr + w_off + UP * stride_wn, mask=wmask, other=0.0).to(tl.float32)
+        if NORM:
+            g = tl.load(nw_ptr + k, mask=km, other=0.0).to(tl.float32)
+        for m in tl.static_range(M):  # each row reduced over this K slice
+            a = tl.load(x_ptr + m * stride_x + k, mask=km, other=0.0)
+            if NORM:  # fused_ops.add_rms_norm's roundings, on this K slice of row m
+                if HAS_RES:
+                    r = tl.load(r_ptr + m * stride_r + k, mask=km, other=0.0)
+                    a = cast_rtne(a.to(tl.float32) + r.to(tl.float32), dt)
+                inv_m = tl.sum(tl.where(rows == m, inv, 0.0), 0)
+                a = cast_rtne(cast_rtne(a.to(tl.float32) * inv_m, dt).to(tl.float32) * g, dt)
+            af = a.to(tl.float32)[:, None]
+            sel = (rows == m)[:, None]
+            acc = tl.where(sel, acc + tl.sum(af * w, 0)[None, :], acc)
             if GATE_UP:
-                wu = tl.load(w_ptr + w_off + UP * stride_wn, mask=wmask, other=0.0).to(tl.float32)
-            if NORM:
-                g = tl.load(nw_ptr + k, mask=km, other=0.0).to(tl.float32)
-            for m in tl.static_range(M):  # each row reduced over this K slice
-                a = tl.load(x_ptr + m * stride_x + k, mask=km, other=0.0)
-                if NORM:  # fused_ops.add_rms_norm's roundings, on this K slice of row m
-                    if HAS_RES:
-                        r = tl.load(r_ptr + m * stride_r + k, mask=km, other=0.0)
-                        a = cast_rtne(a.to(tl.float32) + r.to(tl.float32), dt)
-                    inv_m = tl.sum(tl.where(rows == m, inv, 0.0), 0)
-                    a = cast_rtne(cast_rtne(a.to(tl.float32) * inv_m, dt).to(tl.float32) * g, dt)
-                af = a.to(tl.float32)[:, None]
-                sel = (rows == m)[:, None]
-                acc = tl.where(sel, acc + tl.sum(af * w, 0)[None, :], acc)
-                if GATE_UP:
-                    acc_u = tl.where(sel, acc_u + tl.sum(af * wu, 0)[None, :], acc_u)
+                acc_u = tl.where(sel, acc_u + tl.sum(af * wu, 0)[None, :], acc_u)
 
     if HAS_BIAS:
         acc = acc + tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
@@ -190,29 +159,23 @@ def _floor_pow2(v: int) -> int:
 
 
 def gemv_config(M: int, K: int, N: int, tiles: int = 1, block_n: int | None = None, block_k: int | None = None,
-                num_warps: int | None = None, num_stages: int | None = None, rows3d: bool | None = None) -> dict:
+                num_warps: int | None = None, num_stages: int | None = None) -> dict:
     """Launch configuration for M rows, reduction size K and N output columns per weight tile (``tiles``
     tiles per program: 2 for gate|up). Any value can be overridden (benchmarks sweep them).
 
     Defaults: BLOCK_N the smallest power of two >= 8 giving at most ~TARGET_PROGRAMS programs (at most
-    64; 8 for SmolLM2: 120 programs for qkv, 72 for o / down, 96 of 2 tiles for gate|up). One row: BLOCK_K
-    as large as WEIGHT_ELEMS_PER_THREAD allows for the weight tile(s) per K step (one K step for K = 576
-    at BLOCK_N 8). Several rows (``rows3d``, default for M > 1): the [BM, BLOCK_K, BLOCK_N] partial
-    products per tile take ROWS3D_ELEMS_PER_THREAD registers per thread (BLOCK_K 64 for 8 rows of qkv).
-    4 warps; cp.async pipelining (3 stages) only with several K steps (the 1-row measurements favour
-    few deep loads over many shallow ones)."""
+    64; 8 for SmolLM2: 120 programs for qkv, 72 for o / down, 96 of 2 tiles for gate|up). BLOCK_K as
+    large as WEIGHT_ELEMS_PER_THREAD allows for the weight tile(s) per K step (one K step for K = 576 at
+    BLOCK_N 8); 4 warps; cp.async pipelining (3 stages) only with several K steps (the 1-row
+    measurements favour few deep loads over many shallow ones)."""
     nw = num_warps or 4
     bm = next_pow2(M)
-    r3 = M > 1 if rows3d is None else rows3d
     bn = _pow2(block_n, "block_n") if block_n else max(8, min(64, next_pow2(triton.cdiv(N, TARGET_PROGRAMS))))
-    if r3:  # registers for the partial products: bm * bk * bn per tile
-        budget, per_k = ROWS3D_ELEMS_PER_THREAD * 32 * nw, bm * bn * tiles
-    else:  # registers for the weight tile(s): bn * tiles per K element
-        budget, per_k = WEIGHT_ELEMS_PER_THREAD * 32 * nw, bn * tiles
-    bk = _pow2(block_k, "block_k") if block_k else max(16, min(next_pow2(K), _floor_pow2(budget // per_k)))
+    budget = WEIGHT_ELEMS_PER_THREAD * 32 * nw  # registers for the weight tile(s): bn * tiles per K element
+    bk = _pow2(block_k, "block_k") if block_k else max(16, min(next_pow2(K), _floor_pow2(budget // (bn * tiles))))
     stages = num_stages or (1 if bk >= K else 3)
     return dict(BLOCK_N=bn, BLOCK_K=bk, NORM_BLOCK=max(16, min(next_pow2(K), max(bk, NORM_TILE_ELEMS // bm))),
-                NUM_STAGES=stages, num_warps=nw, BM=bm, ROWS3D=r3)
+                NUM_STAGES=stages, num_warps=nw, BM=bm)
 
 
 # ----------------------------------------------------------------------------------- wrappers
@@ -263,8 +226,7 @@ def _launch(x2, r2, s2, norm_weight, eps, w_t, bias, y2, N, up, cfg, norm, gate_
         K, N, up,
         M=M, BM=cfg["BM"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], NORM_BLOCK=cfg["NORM_BLOCK"],
         NUM_STAGES=cfg["NUM_STAGES"], NORM=norm, HAS_RES=r2 is not None, HAS_BIAS=bias is not None,
-        GATE_UP=gate_up, PRECISE=x2.device.type == "cuda", ROWS3D=cfg["ROWS3D"], num_warps=cfg["num_warps"],
-        **_launch_opts(x2),
+        GATE_UP=gate_up, PRECISE=x2.device.type == "cuda", num_warps=cfg["num_warps"], **_launch_opts(x2),
     )
 
 
