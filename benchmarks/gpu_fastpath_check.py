@@ -26,8 +26,8 @@ parts (comma-separated, default all):
            (576 -> 960), add_rms_norm_gate_up_silu vs add_rms_norm + matmul + silu_and_mul (576 -> 2x1536),
            linear_small_m vs matmul (576 -> 576, 1536 -> 576), max abs diff vs the unfused result, the
            same with output-major weights, and at M = 1 and 8 a sweep of launch configurations (block_n,
-           block_k, num_warps, num_stages; at 8 also the row loop, rows3d=False); per_layer_sum adds the
-           four products' sums.
+           block_k, num_warps, num_stages; the rows as GEMV_ROWS=1,8 and the 1-row sweep off with
+           GEMV_SWEEP1=0); per_layer_sum adds the four products' sums.
   gemv_engine (not in the default list) the engine (greedy, EOS ignored) at B=1 x 256 and
            B=8 x 128 tokens with models/llama.py SMALL_M_GEMV off, on, and on with cuBLAS kept for o_proj /
            down_proj (SMALL_M_GEMV_PLAIN False), and on for steps of up to 8 rows (GEMV_MAX_ROWS 8: B=8

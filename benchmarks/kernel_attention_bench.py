@@ -262,7 +262,8 @@ def main() -> None:
     ap.add_argument("--paged-sweep", action="store_true",
                     help="also time paged attention at batch >= 32 over key tiles x warps x stages x splits")
     ap.add_argument("--drafter-scaling", action="store_true",
-                    help="only the drafter kernel (shared tile, naive), gamma 7, batch 1-32 x context 128-4,000: "
+                    help="only the drafter kernel (shared tile, naive; the PyTorch path as the table's base), gamma 7, "
+                         "batch 1-32 x context 128-4,000: "
                          "how its time grows with batch at each context (the issue's floors: batch 12 within 1.3x "
                          "of batch 1, >= 5x the naive kernel at batch 12)")
     args = ap.parse_args()
