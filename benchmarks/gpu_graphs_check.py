@@ -8,6 +8,8 @@ parts (comma-separated, default all):
            graph replay (CUDA events) for the target decode step (q=1), the verification step (q=1+N)
            and the drafter step, at batch 1/8/32, context 1k; the 1k-context decode step under
            max_model_len 8192 vs 1024 (context buckets); eager vs graph engine tok/s at batch 1.
+           STEPS_ONLY (comma-separated row names, e.g. "max_model_len=8192/dspark") runs only those
+           rows; STEPS_EAGER=0 skips the eager engine run.
   kernels  the same shapes: the GPU kernels of one plain decode step (target + sampling graphs) and one
            greedy DSpark step (target q=1+N + verification + drafter graphs) at batch 1 and 32, context
            1k, under torch.profiler (graph replays), by kernel name: where a verification step's extra
@@ -18,6 +20,7 @@ Writes OUT_DIR/graphs_check.json and prints a summary.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tempfile
 import time
@@ -134,10 +137,12 @@ if "steps" in parts:
     target = write_tiny_checkpoint(tmp / "smol", "llama", seed=1, **smol)
     drafter = shipped_drafter("smollm2-135m-instruct")
     steps: dict = {}
+    # STEPS_ONLY="max_model_len=8192/dspark,...": these rows only; STEPS_EAGER=0: no eager engine run
+    only = [n for n in os.environ.get("STEPS_ONLY", "").split(",") if n]
     for max_len in (8192, 1024):
         for spec in (False, True):
             name = f"max_model_len={max_len}/{'dspark' if spec else 'plain'}"
-            if max_len == 1024 and spec:
+            if (max_len == 1024 and spec) or (only and name not in only):
                 continue
             kw = dict(device="cuda", dtype="bfloat16", max_model_len=max_len, max_num_seqs=32,
                       attention_backend="triton", kv_cache_memory_gb=4)
@@ -171,7 +176,7 @@ if "steps" in parts:
                 row["engine_b1_tok_s_graphs"] = round(len(o[0].token_ids) / dt, 1)
                 del llm
                 torch.cuda.empty_cache()
-                if max_len == 8192:
+                if max_len == 8192 and os.environ.get("STEPS_EAGER", "1") == "1":
                     eager = LLM(str(target), enforce_eager=True, **kw)
                     eager.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
                     torch.cuda.synchronize()
