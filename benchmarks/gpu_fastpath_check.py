@@ -28,7 +28,6 @@ parts (comma-separated, default all):
            same with output-major weights, and at M = 1 and 8 a sweep of launch configurations (block_n,
            block_k, num_warps, num_stages; the rows as GEMV_ROWS=1,8 and the 1-row sweep off with
            GEMV_SWEEP1=0); per_layer_sum adds the four products' sums.
-  gemv_dot (not in the default list; session 33's trial) gemv.gate_up_silu at 2/8/16 rows vs cuBLAS + silu_and_mul.
   gemv_engine (not in the default list) the engine (greedy, EOS ignored) at B=1 x 256 and
            B=8 x 128 tokens with models/llama.py SMALL_M_GEMV off, on, and on with cuBLAS kept for o_proj /
            down_proj (SMALL_M_GEMV_PLAIN False), and on for steps of up to 8 rows (GEMV_MAX_ROWS 8: B=8
@@ -367,30 +366,6 @@ if "gemv" in parts:
     rows["per_layer_sum"] = per_layer
     report("gemv/per_layer_sum", per_layer)
     res["gemv"] = rows
-    save()
-
-if "gemv_dot" in parts:  # gemv.gate_up_silu (tensor cores, SwiGLU epilogue) vs cuBLAS + silu_and_mul
-    from dspark.kernels import gemv as gv
-    from dspark.kernels.fused_ops import silu_and_mul
-
-    H, I = 576, 1536
-    g = torch.Generator(device=dev).manual_seed(0)
-    w = (torch.randn(H, 2 * I, device=dev, generator=g) * H**-0.5).to(torch.bfloat16)
-    w_om = w.t().contiguous().t()
-    rows = {}
-    for M in (2, 8, 16):
-        x = torch.randn(M, H, device=dev, generator=g).to(torch.bfloat16)
-        row = {"cublas_silu_us": graph_us(lambda: silu_and_mul(torch.matmul(x, w))),
-               "dot_us": graph_us(lambda: gv.gate_up_silu(x, w_om)),
-               "dot_input_major_us": graph_us(lambda: gv.gate_up_silu(x, w))}
-        for label, cfg in {"bk128": dict(block_k=128), "bn32": dict(block_n=32), "w2": dict(num_warps=2),
-                           "s4": dict(num_stages=4)}.items():
-            row[f"dot_{label}_us"] = graph_us(lambda: gv.gate_up_silu(x, w_om, **cfg))
-        a, b = gv.gate_up_silu(x, w_om).float(), silu_and_mul(torch.matmul(x, w)).float()
-        row["max_abs_diff"], row["frac_equal"] = (a - b).abs().max().item(), round((a == b).float().mean().item(), 4)
-        rows[f"M{M}"] = row
-        report(f"gemv_dot/M{M}", row)
-    res["gemv_dot"] = rows
     save()
 
 if "gemv_engine" in parts:  # (b) the engine with SMALL_M_GEMV on vs off

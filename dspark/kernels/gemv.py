@@ -133,13 +133,6 @@ def _gemv_kernel(
             if GATE_UP:
                 acc_u = tl.where(sel, acc_u + tl.sum(af * wu, 0)[None, :], acc_u)
 
-    _store_rows(acc, acc_u, b_ptr, y_ptr, stride_y, rows, rm, n, nm, dt, HAS_BIAS, GATE_UP, PRECISE)
-
-
-@triton.jit
-def _store_rows(acc, acc_u, b_ptr, y_ptr, stride_y, rows, rm, n, nm, dt: tl.constexpr, HAS_BIAS: tl.constexpr,
-                GATE_UP: tl.constexpr, PRECISE: tl.constexpr):
-    """The kernels' epilogue: + bias, round to the dtype, (GATE_UP) SwiGLU, store the rows < M."""
     if HAS_BIAS:
         acc = acc + tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
     out = cast_rtne(acc, dt)  # the product's output dtype
@@ -154,54 +147,7 @@ def _store_rows(acc, acc_u, b_ptr, y_ptr, stride_y, rows, rm, n, nm, dt: tl.cons
     tl.store(y_ptr + rows[:, None] * stride_y + n[None, :], out, mask=rm[:, None] & nm[None, :])
 
 
-@triton.jit
-def _gate_up_dot_kernel(
-    x_ptr, stride_x, w_ptr, stride_wk, stride_wn, y_ptr, stride_y, K, N,
-    M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-    PRECISE: tl.constexpr, DOT_F32: tl.constexpr,
-):
-    """K4: the gate|up product of 2-16 rows on the tensor cores with SwiGLU in the epilogue. The rows are
-    padded to a 16-row tile (rows >= M load zeros and are not stored); program j computes columns
-    ``[j*BLOCK_N, (j+1)*BLOCK_N)`` of gate (``W[:, :N]``) and up (``W[:, N:]``), one pipelined K loop of
-    ``[16, BLOCK_K] x [BLOCK_K, BLOCK_N]`` MMAs per tile into fp32 accumulators. Nothing but loads feeds
-    the MMAs: in session 33 the same loop with the add + RMSNorm folded in (``s`` tiles added, squared
-    and scaled by the norm weight between load and MMA) took 11-17 µs against cuBLAS + the unfused kernels'
-    4.3-7.1 (those loads then wait in registers instead of streaming through cp.async), while the plain
-    loop matched cuBLAS (2.8 vs 3.0 µs at 8 x 576 x 960)."""
-    pid = tl.program_id(0)
-    dt = x_ptr.dtype.element_ty
-    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    nm = n < N
-    rows = tl.arange(0, 16)
-    rm = rows < M
-    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-    acc_u = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-    kb = tl.arange(0, BLOCK_K)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-        k = k0 + kb
-        km = k < K
-        wmask = km[:, None] & nm[None, :]
-        w_off = k[:, None] * stride_wk + n[None, :] * stride_wn
-        w = tl.load(w_ptr + w_off, mask=wmask, other=0.0)
-        wu = tl.load(w_ptr + w_off + N * stride_wn, mask=wmask, other=0.0)
-        a = tl.load(x_ptr + rows[:, None] * stride_x + k[None, :], mask=rm[:, None] & km[None, :], other=0.0)
-        if DOT_F32:  # fp32 activations, or the interpreter (whose tl.dot multiplies bf16's integer bits):
-            # fp32 operands (exact: they hold dtype values) and IEEE fp32 products, no TF32
-            af = a.to(tl.float32)
-            acc = tl.dot(af, w.to(tl.float32), acc, input_precision="ieee")
-            acc_u = tl.dot(af, wu.to(tl.float32), acc_u, input_precision="ieee")
-        else:  # bf16 / fp16 operands: their products are exact in the fp32 accumulator
-            acc = tl.dot(a, w, acc)
-            acc_u = tl.dot(a, wu, acc_u)
-    _store_rows(acc, acc_u, y_ptr, y_ptr, stride_y, rows, rm, n, nm, dt, False, True, PRECISE)
-
-
 # ------------------------------------------------------------------------------------ configs
-# _gate_up_dot_kernel's launch settings (H200 session 33, 8 x 576 x 960 plain products: BLOCK_N 16 with
-# BLOCK_K 64-128 best, 2.8-3.0 µs; BLOCK_K 32 3.9)
-DOT_CONFIG = dict(block_n=16, block_k=64, num_stages=3, num_warps=4)
-
-
 def _pow2(v: int, what: str) -> int:
     if v < 1 or v & (v - 1):
         raise ValueError(f"{what} must be a power of two, got {v}")
@@ -343,33 +289,6 @@ def linear_small_m(x: Tensor, w_t: Tensor, bias: Tensor | None = None, **config)
     return y
 
 
-def gate_up_silu(x: Tensor, w_t: Tensor, **config) -> Tensor:
-    """K4: ``silu(x @ w_t[:, :I]) * (x @ w_t[:, I:])`` in x's dtype for 2-16 rows of x ``[.., K]`` on the
-    tensor cores; ``w_t`` ``[K, 2I]`` = the gate_up Linear followed by silu_and_mul, with their roundings.
-    ``config``: overrides of DOT_CONFIG (block_n, block_k, num_warps, num_stages)."""
-    check_device(x)
-    K, N2 = _check_weight(x, w_t, None)
-    if N2 % 2:
-        raise ValueError(f"w_t has {N2} columns: a fused gate|up weight needs an even count")
-    x2 = _rows_of(x, K, "x")
-    M, I = x2.shape[0], N2 // 2
-    _check_m(M)
-    c = {**DOT_CONFIG, **{k: v for k, v in config.items() if v is not None}}
-    bn, bk = _pow2(c["block_n"], "block_n"), _pow2(c["block_k"], "block_k")
-    if bn < 16 or bk < 16:
-        raise ValueError(f"block_n {bn} / block_k {bk}: tl.dot needs tiles of at least 16")
-    y = torch.empty(*x.shape[:-1], I, dtype=x.dtype, device=x.device)
-    if M:
-        y2 = y.view(-1, I)
-        _gate_up_dot_kernel[(triton.cdiv(I, bn),)](
-            x2, x2.stride(0), w_t, w_t.stride(0), w_t.stride(1), y2, y2.stride(0), K, I,
-            M=M, BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=c["num_stages"], PRECISE=x.device.type == "cuda",
-            # Triton's interpreter multiplies bf16/fp16 tl.dot operands as integers: fp32 operands there
-            DOT_F32=x.dtype == torch.float32 or x.device.type != "cuda", num_warps=c["num_warps"],
-            **_launch_opts(x2))
-    return y
-
-
 # --------------------------------------------------------------------------------- references
 def linear_small_m_reference(x: Tensor, w_t: Tensor, bias: Tensor | None = None) -> Tensor:
     """The product in fp32, rounded once to x's dtype (what a GEMM with fp32 accumulation returns)."""
@@ -393,12 +312,7 @@ def add_rms_norm_gate_up_silu_reference(x: Tensor, residual: Tensor | None, norm
     return silu_and_mul_reference(linear_small_m_reference(h, w_t)), s
 
 
-def gate_up_silu_reference(x: Tensor, w_t: Tensor) -> Tensor:
-    """The gate_up Linear (rounded to the dtype), then silu_and_mul."""
-    return silu_and_mul_reference(linear_small_m_reference(x, w_t))
-
-
 __all__ = [
-    "DOT_CONFIG", "MAX_ROWS", "gate_up_silu", "gate_up_silu_reference", "add_rms_norm_gate_up_silu", "add_rms_norm_gate_up_silu_reference", "add_rms_norm_linear",
+    "MAX_ROWS", "add_rms_norm_gate_up_silu", "add_rms_norm_gate_up_silu_reference", "add_rms_norm_linear",
     "add_rms_norm_linear_reference", "gemv_config", "linear_small_m", "linear_small_m_reference",
 ]

@@ -59,11 +59,6 @@ GEMV_MAX_ROWS = int(os.environ.get("DSPARK_GEMV_MAX_ROWS", "1"))
 # With SMALL_M_GEMV, o_proj and down_proj on gemv.linear_small_m too (no launch saved there, only a
 # different kernel than cuBLAS's); DSPARK_SMALL_M_GEMV_PLAIN=0 keeps cuBLAS for those two.
 SMALL_M_GEMV_PLAIN = os.environ.get("DSPARK_SMALL_M_GEMV_PLAIN", "1") == "1"
-# Steps of 2..GATE_UP_DOT_MAX_ROWS rows (a batch-1 verification block, small decode batches) on the
-# GEMM path take the gate|up product and SwiGLU in one tensor-core launch (gemv.gate_up_silu) instead of
-# cuBLAS + silu_and_mul: one launch fewer per layer; 0 turns it off. CUDA only (in the CPU interpreter
-# the launch costs more than it saves; tests turn it on explicitly with ``gate_up_dot_on``).
-GATE_UP_DOT_MAX_ROWS = int(os.environ.get("DSPARK_GATE_UP_DOT_MAX_ROWS", "0"))
 
 
 class Attention(nn.Module):
@@ -117,8 +112,7 @@ class DecoderLayer(nn.Module):
 
     def forward_fused(self, x: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor,
                       rope: RotaryEmbedding, backend: TritonAttentionBackend, meta: TritonAttentionMetadata,
-                      kv: torch.Tensor, rope_in_attention: bool = False,
-                      gate_up_dot: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                      kv: torch.Tensor, rope_in_attention: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """``forward`` on the fused Triton kernels, in vLLM's residual chain: the residual adds are
         fused into the following RMSNorm (fused_ops.add_rms_norm), so a layer takes its input already
         normed (``x = input_layernorm(residual)``, done by the caller together with the previous
@@ -142,10 +136,6 @@ class DecoderLayer(nn.Module):
         o = self._attend_fused(a.qkv_proj(x), positions, rope, backend, meta, kv, rope_in_attention)
         norm = self.post_attention_layernorm
         x, residual = add_rms_norm(a.o_proj(o.reshape(T, a.q_size)), residual, norm.weight, norm.eps)
-        if gate_up_dot:  # gate|up product + SwiGLU in one launch (GATE_UP_DOT_MAX_ROWS)
-            from dspark.kernels.gemv import gate_up_silu
-
-            return self.mlp.down_proj(gate_up_silu(x, _gemv_w(self.mlp.gate_up_proj))), residual
         return self.mlp.down_proj(silu_and_mul_kernel(self.mlp.gate_up_proj(x))), residual
 
     def forward_gemv(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
@@ -245,8 +235,6 @@ class LlamaForCausalLM(nn.Module):
         self.small_m_gemv: bool | None = SMALL_M_GEMV
         self.gemv_max_rows = GEMV_MAX_ROWS
         self.small_m_gemv_plain = SMALL_M_GEMV_PLAIN  # o_proj / down_proj on the GEMV too
-        self.gate_up_dot_max_rows = GATE_UP_DOT_MAX_ROWS  # see GATE_UP_DOT_MAX_ROWS
-        self.gate_up_dot_on: bool | None = None  # None: CUDA only
 
     def forward(
         self,
@@ -297,14 +285,11 @@ class LlamaForCausalLM(nn.Module):
             if len(self.layers) - 1 in self.tap_layers:
                 taps[len(self.layers) - 1] = residual
         else:
-            T = input_ids.shape[0]
-            dot = input_ids.is_cuda if self.gate_up_dot_on is None else self.gate_up_dot_on
-            dot = dot and 2 <= T <= min(self.gate_up_dot_max_rows, 16) and all(l.gemv_ready() for l in self.layers)
             norm = self.layers[0].input_layernorm
             x, residual = add_rms_norm(self.embed_tokens(input_ids), None, norm.weight, norm.eps)
             for i, layer in enumerate(self.layers):
                 mlp_out, residual = layer.forward_fused(x, residual, positions, self.rope, backend, meta,
-                                                        kv_caches[i], self.rope_in_attention, dot)
+                                                        kv_caches[i], self.rope_in_attention)
                 norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
                 x, residual = add_rms_norm(mlp_out, residual, norm.weight, norm.eps)  # residual: layer i's output
                 if i in self.tap_layers:
