@@ -32,7 +32,12 @@ models/llama.py uses the kernels for steps of GEMV_MAX_ROWS = 1 row. At 6 rows (
 unfused kernels (it reduces every row over K at every K step and selects it into the whole
 accumulator). Two other ways through the rows lost as well and were deleted (session 15): a
 ``[rows, BLOCK_K, BLOCK_N]`` tile of partial products reduced over K once (42.4 µs; the partial
-products exhaust the registers) and tl.dot on the rows padded to a 16-row tile (36.6 µs).
+products exhaust the registers) and tl.dot on the rows padded to a 16-row tile (36.6 µs). Later trials
+lost too (docs/benchmarks.md, sessions 21, 32 and 33): tensor cores with the whole K in one tile (session 21),
+the partial-product tile again (32), the RMSNorm's sums of squares inside a tensor-core K loop with ``1/rms``
+applied to the finished products (33: 36-41 µs per layer; the plain tensor-core product alone matches cuBLAS,
+any work between a tile's load and its MMA does not), and the gate|up product with SwiGLU in its epilogue
+(33: faster in isolation, no gain in the engine's verification graph).
 
 The weight may be input-major ``[K, N]`` (the default Linear layout) or a transposed view of an
 output-major copy (any strides). With the norm prologue every program first computes the rows' sums

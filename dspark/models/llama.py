@@ -54,7 +54,8 @@ ROPE_IN_ATTENTION = os.environ.get("DSPARK_ROPE_IN_ATTENTION") == "1"
 SMALL_M_GEMV = {"1": True, "0": False}.get(os.environ.get("DSPARK_SMALL_M_GEMV", ""))  # None: CUDA only
 # DSPARK_GEMV_MAX_ROWS (at most 16) raises it: more rows then take the kernels' row loop, which lost to
 # cuBLAS on the H200 (40.3 vs 19.1 µs per layer at 6 rows, session 15; the 3-D tile and tl.dot paths that
-# also lost were deleted)
+# also lost were deleted; sessions 21, 32 and 33 measured four more few-row designs, none faster in the
+# engine: kernels/gemv.py's docstring)
 GEMV_MAX_ROWS = int(os.environ.get("DSPARK_GEMV_MAX_ROWS", "1"))
 # With SMALL_M_GEMV, o_proj and down_proj on gemv.linear_small_m too (no launch saved there, only a
 # different kernel than cuBLAS's); DSPARK_SMALL_M_GEMV_PLAIN=0 keeps cuBLAS for those two.
