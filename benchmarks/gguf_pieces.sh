@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The SmolLM2 GGUF (98 MB) cannot travel in one device call (64 MiB each, tracked tree included, and the
-# tree holds the 29 MB shipped drafter). Make the pieces here once:
-#     split -b 30M -a 2 "$(python -c 'from dspark.models.gguf_loader import default_gguf_path as d; print(d())')" .model/smollm.gguf.p30_
-# then make one call per piece, each carrying it (carry [".model/smollm.gguf.p30_aa"], ...) and running
+# tree holds the 29 MB shipped drafter: 33.4 MB in all). Make the pieces here once, gzipped (92.7 MB) in
+# three (two of 31 MiB, the third 26.4 MiB, which leaves room for the 3.7 MB prompt file beside it):
+#     gzip -9 -c "$(python -c 'from dspark.models.gguf_loader import default_gguf_path as d; print(d())')" > /tmp/g.gz
+#     split -b 31M -a 2 /tmp/g.gz .model/smollm.gguf.gz.p_
+# then make one call per piece, each carrying it (carry [".model/smollm.gguf.gz.p_aa"], ...) and running
 #     bash benchmarks/gguf_pieces.sh
 # back to back (the machine keeps /tmp only while warm, ~30 s between calls). The call that brings the
-# last piece joins them into /tmp/smollm.gguf and checks its sha256. The older two halves
-# (.model/smollm.gguf.part_aa/ab) are accepted too.
+# last piece joins them into /tmp/smollm.gguf and checks its sha256. The older ungzipped pieces
+# (four .model/smollm.gguf.p30_a? of 30 MiB, or two .model/smollm.gguf.part_a?) are accepted too.
 #
 # A Triton kernel cache from an earlier session (.model/triton-cache.tar.gz, carried by any call, e.g.
 # with p30_ad) is unpacked into ~/.triton/cache once per machine: a fresh machine otherwise compiles
@@ -20,9 +22,11 @@ if [ -f .model/triton-cache.tar.gz ] && [ ! -d ~/.triton/cache ]; then
   mkdir -p ~/.triton && tar -C ~/.triton -xzf .model/triton-cache.tar.gz && echo "triton cache: $(ls ~/.triton/cache | wc -l) entries"
 fi
 SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
-for f in .model/smollm.gguf.p30_* .model/smollm.gguf.part_a?; do [ -f "$f" ] && cp "$f" /tmp/; done
+for f in .model/smollm.gguf.gz.p_* .model/smollm.gguf.p30_* .model/smollm.gguf.part_a?; do [ -f "$f" ] && cp "$f" /tmp/; done
 if [ ! -f /tmp/smollm.gguf ]; then
-  if [ "$(ls /tmp/smollm.gguf.p30_* 2>/dev/null | wc -l)" -eq 4 ]; then
+  if [ "$(ls /tmp/smollm.gguf.gz.p_* 2>/dev/null | wc -l)" -eq 3 ]; then
+    cat /tmp/smollm.gguf.gz.p_a? | gunzip > /tmp/smollm.gguf
+  elif [ "$(ls /tmp/smollm.gguf.p30_* 2>/dev/null | wc -l)" -eq 4 ]; then
     cat /tmp/smollm.gguf.p30_a? > /tmp/smollm.gguf
   elif [ -f /tmp/smollm.gguf.part_aa ] && [ -f /tmp/smollm.gguf.part_ab ]; then
     cat /tmp/smollm.gguf.part_aa /tmp/smollm.gguf.part_ab > /tmp/smollm.gguf
@@ -31,5 +35,5 @@ fi
 if [ -f /tmp/smollm.gguf ]; then
   echo "$SHA  /tmp/smollm.gguf" | sha256sum -c
 else
-  echo "pieces in /tmp so far: $(ls /tmp/smollm.gguf.p30_* /tmp/smollm.gguf.part_a? 2>/dev/null | tr '\n' ' ')"
+  echo "pieces in /tmp so far: $(ls /tmp/smollm.gguf.gz.p_* /tmp/smollm.gguf.p30_* /tmp/smollm.gguf.part_a? 2>/dev/null | tr '\n' ' ')"
 fi

@@ -23,7 +23,7 @@ from dspark.engine.runner import ModelRunner
 from dspark.engine.scheduler import Scheduler
 from dspark.models.loader import load_model
 from dspark.sampling_params import InvalidRequestError, SamplingParams
-from dspark.spec.adaptive import AcceptanceEstimate, VerifyLengthPolicy
+from dspark.spec.adaptive import AcceptanceEstimate, SampledBatchRule, VerifyLengthPolicy
 from dspark.spec.config import SpeculativeConfig
 from dspark.spec.metrics import SpecStats
 from dspark.spec.proposer import DSparkProposerFactory
@@ -100,7 +100,13 @@ class LLMEngine:
                 named = getattr(spec, "given", None)  # the keys SpeculativeConfig.parse saw named
                 if named is None:  # built in code: every field counts as chosen
                     named = {f.name for f in fields(spec)}
-                spec = replace(spec, **{k: v for k, v in shipped.items() if k == "model" or k not in named})
+                fill = {k: v for k, v in shipped.items() if k == "model" or k not in named}
+                # a recommended sampled-batch rule gives way to what the config chose: adaptive verification
+                # (the two exclude each other), or a num_speculative_tokens at or under the rule's length
+                n = spec.num_speculative_tokens
+                if spec.verify_lengths is not None or (n is not None and fill.get("sampled_verify_length", 0) >= n):
+                    fill.pop("sampled_verify_length", None)
+                spec = replace(spec, **fill)
         if spec is not None and factory is None:
             factory = DSparkProposerFactory(spec, mc, cfg.max_model_len + 64, cfg.dtype, dev)
         if factory is not None and spec is None:
@@ -135,9 +141,12 @@ class LLMEngine:
         self._last_readback = None  # (perf_counter, drafts verified) of the last pipelined read-back
         if self.runner.step_times is not None:
             self.enable_adaptive_verification(self.runner.step_time)
+        elif len(self.runner.graph_sets) > 1 and spec.sampled_verify_length is not None:
+            self.enable_sampled_batch_rule()
         elif len(self.runner.verify_lengths()) > 1:
-            logger.warning("verify_lengths %s need CUDA graphs (the triton backend on CUDA, no --enforce-eager): "
-                           "every step verifies %d drafts", spec.verify_lengths, self.runner.num_spec_tokens)
+            key = "verify_lengths" if spec.verify_lengths is not None else "sampled_verify_length"
+            logger.warning("%s %s need CUDA graphs (the triton backend on CUDA, no --enforce-eager): every step "
+                           "verifies %d drafts", key, getattr(spec, key), self.runner.num_spec_tokens)
         self.warmup_s: float | None = None
         if cfg.warmup or (cfg.warmup is None and torch.device(dev).type == "cuda"):
             self.warmup_s = self.warm_up()
@@ -193,7 +202,9 @@ class LLMEngine:
             G.stats = dict.fromkeys(G.stats, 0)
         if self.verify_policy is not None:  # the warm-up's acceptance says nothing of real requests: a new
             self.runner.use_verify_length(max(self.verify_policy.lengths))  # policy, at the longest block
-            self.enable_adaptive_verification(self.verify_policy.step_time)
+            self.verify_policy = self.verify_policy.fresh()
+            self._next_length = None
+            self._last_readback = None
         if torch.device(self.config.device).type == "cuda":
             torch.cuda.synchronize()
         return time.perf_counter() - t0
@@ -208,6 +219,17 @@ class LLMEngine:
                                                 **policy_kw)
         self._next_length = None
         self._last_readback = None  # (perf_counter, drafts verified) of the last pipelined read-back
+
+    def enable_sampled_batch_rule(self, **rule_kw) -> None:
+        """Verify ``sampled_verify_length`` drafts in batches of sampled requests only, at least
+        ``sampled_verify_min_batch`` of them, else num_speculative_tokens (spec/adaptive.py SampledBatchRule)."""
+        spec = self.spec_config
+        if spec.sampled_verify_length is None or len(self.runner.graph_sets) < 2:
+            raise ValueError("the sampled-batch rule needs sampled_verify_length and a graph set for each length")
+        self.verify_policy = SampledBatchRule(spec.sampled_verify_length, max(self.runner.graph_sets),
+                                              spec.sampled_verify_min_batch, **rule_kw)
+        self._next_length = None
+        self._last_readback = None
 
     def _choose_length(self) -> int:
         """The verify length the policy wants for the running requests (greedy and sampled counted apart;

@@ -209,7 +209,7 @@ class ModelRunner:
             return
         self.graphs, self.graph_sets = graphs, sets
         self.step_times = None
-        if capture and len(sets) > 1:
+        if capture and len(sets) > 1 and self.spec.verify_lengths is not None:  # adaptive: profile the sets
             t0 = time.perf_counter()
             self.step_times = {n: G.profile(self.config.max_num_seqs) for n, G in sets.items()}
             ends = {n: tuple(round(1e3 * t[(b, False)], 3) for b in (min(t)[0], max(t)[0]))
@@ -220,8 +220,12 @@ class ModelRunner:
     def verify_lengths(self) -> list[int]:
         """The numbers of drafts a step may verify: num_speculative_tokens, and with adaptive verification
         the config's verify_lengths too (spec/adaptive.py)."""
-        v = self.spec.verify_lengths if self.proposer is not None and self.spec is not None else None
-        return sorted(set(v or ()) | {self.num_spec_tokens})
+        if self.proposer is None or self.spec is None:
+            return [self.num_spec_tokens]
+        v = set(self.spec.verify_lengths or ())
+        if self.spec.sampled_verify_length is not None:
+            v.add(self.spec.sampled_verify_length)
+        return sorted(v | {self.num_spec_tokens})
 
     def step_time(self, n: int, batch: int, sampled: bool) -> float:
         """Profiled seconds per step verifying n drafts for ``batch`` requests (the smallest profiled

@@ -27,6 +27,14 @@ class SpeculativeConfig:
     # the measured acceptance and the profiled step times. num_speculative_tokens is always one of them.
     # None: every step verifies num_speculative_tokens drafts. Needs CUDA graphs (one set per length).
     verify_lengths: tuple[int, ...] | None = None
+    # The sampled-batch rule (dspark's keys; spec/adaptive.py SampledBatchRule): a step whose speculating
+    # requests are all sampled (temperature > 0), at least sampled_verify_min_batch of them, verifies
+    # sampled_verify_length drafts; every other step num_speculative_tokens. One more graph set, no
+    # profiling. Why: at temperature 1 the late drafts are seldom accepted, and on the H200 3 drafts beat 7
+    # at every batch from 8 to 128 while greedy batches gain from 7 (docs/benchmarks.md, session 32).
+    # None: off. Needs CUDA graphs, as verify_lengths; the two are exclusive.
+    sampled_verify_length: int | None = None
+    sampled_verify_min_batch: int = 8
 
     def __post_init__(self) -> None:
         if self.method != "dspark":
@@ -52,6 +60,22 @@ class SpeculativeConfig:
                     f"verify_lengths {list(v)} go past num_speculative_tokens {n}: a step cannot verify more drafts "
                     "than the drafter makes")
             object.__setattr__(self, "verify_lengths", tuple(sorted(set(v))))
+        for key in ("sampled_verify_length", "sampled_verify_min_batch"):
+            x = getattr(self, key)
+            if x is not None and (not isinstance(x, int) or isinstance(x, bool) or x < 1):
+                raise SpeculativeConfigError(f"{key} must be an integer >= 1, got {x!r}")
+        if self.sampled_verify_min_batch is None:
+            raise SpeculativeConfigError("sampled_verify_min_batch must be an integer >= 1, got None")
+        s = self.sampled_verify_length
+        if s is not None:
+            if v is not None:
+                raise SpeculativeConfigError(
+                    "verify_lengths (adaptive verification) and sampled_verify_length (the sampled-batch rule) "
+                    "both choose the drafts a step verifies: give one of them")
+            if n is not None and s > n:
+                raise SpeculativeConfigError(
+                    f"sampled_verify_length {s} goes past num_speculative_tokens {n}: a step cannot verify more "
+                    "drafts than the drafter makes")
 
     @classmethod
     def parse(cls, value: "SpeculativeConfig | dict[str, Any] | str | None") -> "SpeculativeConfig | None":

@@ -274,6 +274,12 @@ class DSparkProposerFactory:
                 f"verify_lengths {list(v)} go past the {n or cfg.block_size} drafts a step makes "
                 f"(num_speculative_tokens, default the drafter's block size {cfg.block_size})"
             )
+        s = spec.sampled_verify_length
+        if s is not None and s > (n or cfg.block_size):
+            raise SpeculativeConfigError(
+                f"sampled_verify_length {s} goes past the {n or cfg.block_size} drafts a step makes "
+                f"(num_speculative_tokens, default the drafter's block size {cfg.block_size})"
+            )
         self.spec, self.cfg, self.target_config = spec, cfg, target_config
         self.max_positions, self.dtype, self.device = max_positions, dtype, device
         self.tap_layers = cfg.target_layer_ids

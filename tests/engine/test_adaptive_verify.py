@@ -111,3 +111,36 @@ def test_warm_up_runs_every_verify_length(spec_pair):
     assert used[:3] == [1, 2, 4] and eng.runner.num_spec_tokens == 4 and eng.verify_policy is not None
     assert all(not any(G.stats.values()) for G in eng.runner.graph_sets.values())
     assert not eng.requests and eng.kv.num_free_blocks == eng.kv.num_usable_blocks
+
+
+def test_sampled_batch_rule_in_the_engine(spec_pair, prompts, plain):
+    """The sampled-batch rule (sampled_verify_length): three seeded sampled requests (min batch 2) verify
+    1 draft; a greedy request joining moves the batch back to 4 drafts, and the greedy request's tokens
+    are the argmax chain; when it has finished, the sampled ones go back to 1. No profile is needed: the
+    graph sets alone (one per length), and the rule comes back fresh after a warm-up."""
+    llm = _llm(spec_pair, sampled_verify_length=1, sampled_verify_min_batch=2,
+               draft_sample_method="probabilistic", rejection_sample_method="block")
+    eng = llm.engine
+    assert sorted(eng.runner.graph_sets) == [1, 4] and eng.runner.step_times is None
+    assert eng.verify_policy is None  # the constructor ran before the graph sets existed (CPU)
+    eng.enable_sampled_batch_rule(min_steps=1, interval=1)
+    sampled = [SamplingParams(temperature=1.0, seed=s, max_tokens=30, ignore_eos=True) for s in (1, 2, 3)]
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    lengths = []
+    watch = eng.runner.use_verify_length
+    eng.runner.use_verify_length = lambda n: (lengths.append(n), watch(n))[1]
+    got, _, _ = _drive(llm, list(zip(prompts, sampled)),
+                       {4: lambda e: [e.add_request(prompts[1], greedy, request_id="greedy")]})
+    assert all(len(got[f"req-{i}"].token_ids) == 30 for i in range(3))
+    assert got["greedy"].token_ids == plain[1][:8]
+    assert lengths[:3] == [1, 4, 1], lengths  # down, up while the greedy request runs, down again
+    steps = eng.spec_stats.length_steps
+    assert steps.get(1, 0) >= 3 and steps.get(4, 0) >= 2, steps
+    assert eng.verify_policy.changes == len(lengths)
+    eng.kv.check_integrity()
+    assert not eng.runner.draft_probs
+    eng.verify_policy.tick()
+    eng.runner.use_verify_length = watch
+    eng.warm_up()
+    assert eng.verify_policy.changes == 0 and eng.verify_policy.steps == 0 and eng.runner.num_spec_tokens == 4
+    assert (eng.verify_policy.min_steps, eng.verify_policy.min_batch) == (1, 2)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dspark.spec.adaptive import GREEDY, SAMPLED, AcceptanceEstimate, VerifyLengthPolicy
+from dspark.spec.adaptive import GREEDY, SAMPLED, AcceptanceEstimate, SampledBatchRule, VerifyLengthPolicy
 from dspark.spec.config import SpeculativeConfig, SpeculativeConfigError
 
 
@@ -192,3 +192,42 @@ def test_policy_times_a_length_the_model_puts_close():
         pol.tick()
     assert pol.real_step_time(3, 32, True) == pytest.approx(1.8e-3)
     assert pol.choose(3, 0, 32) == 3  # measured: 3 drafts ahead; 1 draft still far behind, not tried
+
+
+def test_sampled_batch_rule_chooses_by_the_batch_and_waits_after_a_change():
+    rule = SampledBatchRule(3, 7, min_batch=8, min_steps=2, interval=1)
+    assert rule.lengths == (3, 7)
+    assert rule.choose(7, 0, 8) == 3  # all sampled, 8 of them: the short block
+    assert rule.choose(7, 0, 7) == 7  # too few
+    assert rule.choose(7, 1, 31) == 7  # one greedy request keeps the long block
+    assert rule.choose(3, 0, 0) == 3  # nothing speculating: no change
+    rule.changed()
+    assert not rule.due() and rule.choose(3, 1, 8) == 3  # too soon after a change
+    rule.tick(), rule.tick()
+    assert rule.due() and rule.choose(3, 1, 8) == 7
+    every4 = SampledBatchRule(2, 5, min_batch=1, min_steps=0, interval=4)
+    due = []
+    for _ in range(8):
+        due.append(every4.due())
+        every4.tick()
+    assert due == [True, False, False, False, True, False, False, False]
+    fresh = rule.fresh()
+    assert (fresh.short, fresh.long, fresh.min_batch, fresh.min_steps, fresh.changes) == (3, 7, 8, 2, 0)
+    with pytest.raises(ValueError, match="sampled verify length 7 must be in"):
+        SampledBatchRule(7, 7, min_batch=8)
+
+
+def test_config_sampled_verify_length_errors():
+    cfg = SpeculativeConfig(num_speculative_tokens=7, sampled_verify_length=3)
+    assert (cfg.sampled_verify_length, cfg.sampled_verify_min_batch) == (3, 8)
+    for key, bad in (("sampled_verify_length", 0), ("sampled_verify_length", 2.5),
+                     ("sampled_verify_min_batch", 0), ("sampled_verify_min_batch", True)):
+        with pytest.raises(SpeculativeConfigError, match=f"{key} must be an integer >= 1"):
+            SpeculativeConfig(**{key: bad})
+    with pytest.raises(SpeculativeConfigError, match="sampled_verify_min_batch must be an integer >= 1, got None"):
+        SpeculativeConfig(sampled_verify_min_batch=None)
+    with pytest.raises(SpeculativeConfigError, match="sampled_verify_length 6 goes past num_speculative_tokens 5"):
+        SpeculativeConfig(num_speculative_tokens=5, sampled_verify_length=6)
+    with pytest.raises(SpeculativeConfigError, match="give one of them"):
+        SpeculativeConfig(verify_lengths=[3, 5], sampled_verify_length=3)
+    assert SpeculativeConfig.parse('{"sampled_verify_length": 3, "sampled_verify_min_batch": 16}').sampled_verify_min_batch == 16
