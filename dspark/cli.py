@@ -24,7 +24,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         '"num_speculative_tokens": N, "draft_sample_method": "greedy"|"probabilistic", '
                         '"rejection_sample_method": "standard"|"block"}; default: the drafter dspark ships '
                         'for the model, if any (dspark/drafters), drafting probabilistically, verifying '
-                        'sampled requests by block verification')
+                        'sampled requests by block verification, all-sampled batches of >= 16 verifying 3 drafts '
+                        '(dspark\'s keys "sampled_verify_length", "sampled_verify_min_batch"; "verify_lengths" for '
+                        'adaptive verification)')
     p.add_argument("--no-spec", action="store_true", help="no speculative decoding (ignore the shipped drafter)")
     add_backend_args(p)
 

@@ -143,10 +143,12 @@ class LLMEngine:
             self.enable_adaptive_verification(self.runner.step_time)
         elif len(self.runner.graph_sets) > 1 and spec.sampled_verify_length is not None:
             self.enable_sampled_batch_rule()
-        elif len(self.runner.verify_lengths()) > 1:
+        elif len(self.runner.verify_lengths()) > 1:  # (the sampled-batch rule is the shipped drafter's default:
+            # on a CPU that is no mistake of the user's, so it is only an info line there)
             key = "verify_lengths" if spec.verify_lengths is not None else "sampled_verify_length"
-            logger.warning("%s %s need CUDA graphs (the triton backend on CUDA, no --enforce-eager): every step "
-                           "verifies %d drafts", key, getattr(spec, key), self.runner.num_spec_tokens)
+            logger.log(logging.WARNING if key == "verify_lengths" else logging.INFO,
+                       "%s %s need CUDA graphs (the triton backend on CUDA, no --enforce-eager): every step "
+                       "verifies %d drafts", key, getattr(spec, key), self.runner.num_spec_tokens)
         self.warmup_s: float | None = None
         if cfg.warmup or (cfg.warmup is None and torch.device(dev).type == "cuda"):
             self.warmup_s = self.warm_up()

@@ -43,6 +43,7 @@ def test_shipped_drafter_files_fit_the_limits():
     spec = default_speculative_config(None)
     assert spec["model"] == str(d) and spec["draft_sample_method"] == "probabilistic"
     assert spec["rejection_sample_method"] == "block"
+    assert (spec["sampled_verify_length"], spec["sampled_verify_min_batch"]) == (3, 16)
 
 
 @pytest.fixture(scope="module")
@@ -87,3 +88,13 @@ def test_shipped_drafter_brings_its_settings_unless_named(spec_llm) -> None:
     assert (named.draft_sample_method, named.rejection_sample_method) == ("probabilistic", "standard")
     by_path = spec_of({"model": str(shipped_drafter(None))})  # a drafter named: vLLM's defaults
     assert (by_path.draft_sample_method, by_path.rejection_sample_method) == ("greedy", "standard")
+    assert by_path.sampled_verify_length is None
+    # the sampled-batch rule comes along, and gives way to adaptive verification or to a
+    # num_speculative_tokens at or under its length (either would make the config an error)
+    assert (sc.sampled_verify_length, sc.sampled_verify_min_batch) == (3, 16)
+    assert spec_of({"method": "dspark", "verify_lengths": [2, 5]}).sampled_verify_length is None
+    assert spec_of({"method": "dspark", "num_speculative_tokens": 3}).sampled_verify_length is None
+    assert spec_of({"method": "dspark", "num_speculative_tokens": 5}).sampled_verify_length == 3
+    assert spec_of({"method": "dspark", "sampled_verify_length": None}).sampled_verify_length is None
+    # on the CPU (no graph sets) every step verifies num_speculative_tokens: no rule, no second set
+    assert spec_llm.engine.verify_policy is None and not spec_llm.engine.runner.graph_sets
