@@ -583,7 +583,9 @@ def _run_bench_matrix(a: argparse.Namespace) -> int:
                     c["runtime_compiles"] = len(ev)
                     c["runtime_compile_ms"] = round(sum(e["ms"] for e in ev), 1)
                     if ev:
-                        c["runtime_compile_kernels"] = [f"{e['kernel']} ({e['ms']:.0f} ms; {e['constexprs']})" for e in ev]
+                        c["runtime_compile_kernels"] = [f"{e['kernel']} ({e['ms']:.0f} ms; {e['constexprs']}; from {e['site']})"
+                                                        for e in ev]
+                        c["runtime_compile_attrs"] = [e["attrs"] for e in ev]
                         log(f"{ps} T={t:g} B={b}: {c['label']}: {len(ev)} Triton compiles inside the timed calls "
                             f"({c['runtime_compile_ms']:.0f} ms): " + "; ".join(c["runtime_compile_kernels"][:6]))
                 for c, (name, s) in zip(new, systems.items()):  # adaptive verification: steps per verify length

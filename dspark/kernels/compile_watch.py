@@ -40,6 +40,28 @@ def _constexprs(compile_kwargs: dict) -> str:
     return ", ".join(items)
 
 
+def _site(depth: int = 3) -> str:
+    """Where in dspark the compiling launch came from: the innermost ``depth`` frames of the Python stack
+    in dspark's engine, model, layer and spec code (not the kernel wrappers), innermost last. A compile
+    is rare, so the stack walk costs nothing that matters; it names the step path a capture and the
+    warm-up did not run (the kernel's name alone does not: several paths launch the same kernel)."""
+    import os
+    import traceback
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # the dspark package
+    kernels = os.path.join(root, "kernels") + os.sep
+    frames = [f for f in traceback.extract_stack()[:-2]
+              if f.filename.startswith(root) and not f.filename.startswith(kernels)]
+    return " > ".join(f"{os.path.relpath(f.filename, root)}:{f.lineno} {f.name}" for f in frames[-depth:])
+
+
+def _attrs(compile_kwargs: dict) -> str:
+    """The specialisation beyond the constexprs (Triton's ``attrs``: which arguments were taken as
+    16-divisible / 16-byte aligned), as Triton writes it, cut to 300 characters."""
+    a = compile_kwargs.get("attrs")
+    return "" if a is None else str(a)[:300]
+
+
 def install() -> bool:
     """Chain the counting hooks onto Triton's JIT hooks (once per process; hooks already set by
     someone else still run). False if this Triton has no such hooks (then nothing is counted)."""
@@ -62,14 +84,15 @@ def install() -> bool:
             ms = 1e3 * (time.perf_counter() - t0) if t0 is not None else float("nan")
             fn = kwargs.get("fn")
             name = getattr(fn, "name", None) or str(kwargs.get("repr", "?")).split("[")[0]
-            ev = {"kernel": name, "ms": ms, "constexprs": _constexprs(kwargs.get("compile") or {}),
+            ev = {"kernel": name, "ms": ms, "constexprs": _constexprs(kwargs.get("compile") or {}), "site": _site(),
+                  "attrs": _attrs(kwargs.get("compile") or {}),
                   "num_warps": (kwargs.get("compile") or {}).get("num_warps"),
                   "num_stages": (kwargs.get("compile") or {}).get("num_stages"), "armed": _state["armed"]}
             with _lock:
                 _events.append(ev)
             if ev["armed"]:
-                logger.warning("Triton compiled %s while serving (%.0f ms; %s): a specialisation that CUDA-graph "
-                               "capture and the warm-up did not meet", name, ms, ev["constexprs"])
+                logger.warning("Triton compiled %s while serving (%.0f ms; %s; from %s): a specialisation that "
+                               "CUDA-graph capture and the warm-up did not meet", name, ms, ev["constexprs"], ev["site"])
             return prev_post(*args, **kwargs) if prev_post is not None else None
 
         rt.jit_cache_hook, rt.jit_post_compile_hook = pre, post
@@ -96,7 +119,7 @@ def serving_compiles() -> tuple[int, float]:
 
 
 def events(since: int = 0) -> list[dict]:
-    """The compiles from index ``since`` on: kernel, ms, constexprs, num_warps, num_stages, armed."""
+    """The compiles from index ``since`` on: kernel, ms, constexprs, site, attrs, num_warps, num_stages, armed."""
     with _lock:
         return [dict(e) for e in _events[since:]]
 

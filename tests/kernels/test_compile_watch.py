@@ -44,3 +44,26 @@ def test_compiles_are_counted_and_logged_once_armed(caplog):
     n, secs = compile_watch.serving_compiles()  # what /metrics reports (armed compiles only)
     assert n >= 1 and secs >= 0 and n == sum(e["armed"] for e in compile_watch.events())
     assert "BLOCK_R=32" in caplog.records[0].getMessage()
+
+
+def test_a_compile_names_the_dspark_code_that_launched_it():
+    """``site``: the innermost dspark frames (not kernel wrappers) of the compiling launch, so that a
+    specialisation the capture and warm-up missed can be traced to its step path; ``attrs``: Triton's
+    specialisation beyond the constexprs, as given."""
+    import os
+
+    import dspark
+    from dspark.kernels import compile_watch
+
+    pkg = os.path.dirname(os.path.abspath(dspark.__file__))
+    ns = {}
+    exec(compile("def execute(fn):\n    return fn()\n", os.path.join(pkg, "engine", "fake_runner.py"), "exec"), ns)
+    exec(compile("def wrapper(fn):\n    return fn()\n", os.path.join(pkg, "kernels", "fake_kernel.py"), "exec"), ns)
+    assert compile_watch.install()
+    n0 = compile_watch.count()
+    ns["execute"](lambda: ns["wrapper"](_fire))
+    _fire()
+    ev = compile_watch.events(n0)
+    assert ev[0]["site"] == "engine/fake_runner.py:2 execute"  # the kernel wrapper's frame left out
+    assert ev[1]["site"] == ""  # no dspark frame (called from the test itself)
+    assert ev[0]["attrs"] == ""  # none given by this fake compile
