@@ -219,7 +219,7 @@ class ModelRunner:
 
     def verify_lengths(self) -> list[int]:
         """The numbers of drafts a step may verify: num_speculative_tokens, and with adaptive verification
-        the config's verify_lengths too (spec/adaptive.py)."""
+        the config's verify_lengths too, with the sampled-batch rule its sampled_verify_length (spec/adaptive.py)."""
         if self.proposer is None or self.spec is None:
             return [self.num_spec_tokens]
         v = set(self.spec.verify_lengths or ())

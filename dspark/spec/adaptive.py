@@ -79,7 +79,39 @@ class AcceptanceEstimate:
         return np.cumprod((a + w * pooled) / (r + w))
 
 
-class VerifyLengthPolicy:
+class _LengthChoice:
+    """What every verify-length chooser shares with the engine (LLMEngine._choose_length /
+    _adapt_verify_length / _record_spec): the acceptance estimate the engine feeds, and the hysteresis —
+    a decision every ``interval`` steps, none within ``min_steps`` steps of a change (a change drains the
+    async pipeline once: one step's host work is not overlapped)."""
+
+    def __init__(self, estimate: AcceptanceEstimate, min_steps: int, interval: int) -> None:
+        self.estimate = estimate
+        self.min_steps, self.interval = min_steps, interval
+        self.steps_since_change = min_steps  # no change yet: free to choose
+        self.steps = 0
+        self.changes = 0
+
+    def due(self) -> bool:
+        """Whether this step decides (every ``interval`` steps, and not too soon after a change)."""
+        return self.steps % self.interval == 0 and self.steps_since_change >= self.min_steps
+
+    def observe_step(self, n: int, batch: int, sampled: bool, interval: float, wait: float) -> None:
+        """A pipelined read-back's timing (VerifyLengthPolicy learns from it)."""
+
+    def changed(self) -> None:
+        """The engine moved to another length."""
+        self.steps_since_change = 0
+        self.changes += 1
+
+    def tick(self) -> None:
+        """One more verification step read back (its observations are in ``estimate``)."""
+        self.estimate.end_step()
+        self.steps_since_change += 1
+        self.steps += 1
+
+
+class VerifyLengthPolicy(_LengthChoice):
     """Picks the number of drafts to verify (one of ``lengths``) for a batch of greedy and sampled
     requests: the Θ-maximising one, with hysteresis — it moves away from ``current`` only if that gains
     more than ``margin`` and at least ``min_steps`` steps were taken since the last change (every change
@@ -115,12 +147,12 @@ class VerifyLengthPolicy:
     def __init__(self, lengths: tuple[int, ...], step_time: Callable[[int, int, bool], float],
                  estimate: AcceptanceEstimate, margin: float = 0.05, min_steps: int = 16, interval: int = 8,
                  time_weight: float = 0.05, min_timed: int = 8, explore: float | None = 0.1) -> None:
+        super().__init__(estimate, min_steps, interval)
         self._kw = dict(margin=margin, min_steps=min_steps, interval=interval, time_weight=time_weight,
                         min_timed=min_timed, explore=explore)
         self.lengths = tuple(sorted(lengths))
         self.step_time = step_time  # (num_drafts, batch size, any sampled request) -> seconds per step
-        self.estimate = estimate
-        self.margin, self.min_steps, self.interval = margin, min_steps, interval
+        self.margin = margin
         self.time_weight = time_weight
         # batch-size bucket -> (host seconds per step, seconds neither the GPU nor the host explain)
         self.host: dict[int, tuple[float, float]] = {}
@@ -128,9 +160,6 @@ class VerifyLengthPolicy:
         self.measured: dict[tuple[int, int], tuple[float, int]] = {}
         self.min_timed = min_timed
         self.explore = explore
-        self.steps_since_change = min_steps  # no change yet: free to choose once the estimates can tell
-        self.steps = 0
-        self.changes = 0
 
     def fresh(self) -> "VerifyLengthPolicy":
         """The same policy with no history (after the warm-up: its acceptance says nothing of real requests)."""
@@ -179,10 +208,6 @@ class VerifyLengthPolicy:
                 tokens += count * float(a[:n].sum())
         return tokens / self.real_step_time(n, num_greedy + num_sampled, num_sampled > 0)
 
-    def due(self) -> bool:
-        """Whether this step decides (every ``interval`` steps, and not too soon after a change)."""
-        return self.steps % self.interval == 0 and self.steps_since_change >= self.min_steps
-
     def choose(self, current: int, num_greedy: int, num_sampled: int) -> int:
         """The length for the next step (``current`` when the estimates cannot tell yet)."""
         if num_greedy + num_sampled == 0 or self.steps_since_change < self.min_steps:
@@ -199,67 +224,36 @@ class VerifyLengthPolicy:
         best = max(self.lengths, key=lambda n: (theta[n], -n))
         return best if theta[best] > theta[current] * (1 + self.margin) else current
 
-    def changed(self) -> None:
-        """The engine moved to another length."""
-        self.steps_since_change = 0
-        self.changes += 1
 
-    def tick(self) -> None:
-        """One more verification step read back (its observations are in ``estimate``)."""
-        self.estimate.end_step()
-        self.steps_since_change += 1
-        self.steps += 1
-
-
-class SampledBatchRule:
+class SampledBatchRule(_LengthChoice):
     """The sampled-batch rule (``SpeculativeConfig.sampled_verify_length``): a batch whose speculating
     requests are all sampled, at least ``min_batch`` of them, verifies ``short`` drafts; any other batch
     ``long`` (num_speculative_tokens). A fixed rule, not a learnt one, because what it encodes was measured
-    where the learnt policy above could not tell the lengths apart: on the H200 (docs/benchmarks.md,
-    session 32, three runs per cell) 3 drafts beat 7 at temperature 1 at every batch from 8 to 128 (+3 % to
-    +16 % over plain decoding's rate), while greedy batches up to 64 were faster with 7 and batch 1 is
-    not helped by fewer rows (the target's step costs about the same for 4 as for 8 rows there). Why
-    sampled requests want fewer drafts: their conditional acceptance is ~0.5 per slot against ~0.7
-    greedy, and a sampled draft slot costs more (the Markov loop samples with top-k/top-p and writes the
-    slot's q; verification compares whole distributions). A mixed batch verifies ``long``: its greedy
-    requests would lose the most, and no mixed cell was measured.
+    where the learnt policy above could not tell the lengths apart: on the H200 3 drafts beat 7 at
+    temperature 1 from batch 16–32 up (docs/benchmarks.md, sessions 30–34; session 34, this rule against
+    fixed 7 in four processes: +0 to +22 % at batch 32–128, ±6 % at 8–16), while greedy batches up to 64 were
+    faster with 7 (session 32), and at batch 1 the target's step costs about the same for fewer rows
+    (session 19: block 7 beat block 5 there). Why sampled requests want fewer drafts: their conditional
+    acceptance is ~0.5 per slot against ~0.7 greedy, and a sampled draft slot costs more (the Markov loop
+    samples and writes the slot's q; verification compares whole distributions). A mixed batch verifies
+    ``long``: its greedy requests would lose the most, and no mixed cell was measured.
 
-    Same interface as ``VerifyLengthPolicy`` (the engine calls due / choose / changed / tick /
-    observe_step), the same hysteresis: a change drains the async pipeline once, so after one the rule
-    waits ``min_steps`` steps, and it decides every ``interval`` steps. The acceptance estimate is kept
-    for reporting (``estimate``); the rule does not read it."""
+    The engine drives it as it drives ``VerifyLengthPolicy`` (``_LengthChoice``: the same hysteresis; the
+    acceptance estimate is fed but not read here)."""
 
     def __init__(self, short: int, long: int, min_batch: int, min_steps: int = 16, interval: int = 8) -> None:
         if not 1 <= short < long:
             raise ValueError(f"the sampled verify length {short} must be in [1, {long})")
+        super().__init__(AcceptanceEstimate(long), min_steps, interval)
         self.short, self.long, self.min_batch = short, long, min_batch
         self.lengths = (short, long)
-        self.min_steps, self.interval = min_steps, interval
-        self.estimate = AcceptanceEstimate(long)
-        self.steps_since_change = min_steps
-        self.steps = 0
-        self.changes = 0
 
     def fresh(self) -> "SampledBatchRule":
         """The same rule with no history (after the warm-up)."""
         return SampledBatchRule(self.short, self.long, self.min_batch, self.min_steps, self.interval)
 
-    def due(self) -> bool:
-        return self.steps % self.interval == 0 and self.steps_since_change >= self.min_steps
-
     def choose(self, current: int, num_greedy: int, num_sampled: int) -> int:
+        """The length for the next step: the short one for an all-sampled batch of at least min_batch."""
         if num_greedy + num_sampled == 0 or self.steps_since_change < self.min_steps:
             return current
         return self.short if num_greedy == 0 and num_sampled >= self.min_batch else self.long
-
-    def observe_step(self, n: int, batch: int, sampled: bool, interval: float, wait: float) -> None:
-        """Read-back timing: the rule does not learn from it."""
-
-    def changed(self) -> None:
-        self.steps_since_change = 0
-        self.changes += 1
-
-    def tick(self) -> None:
-        self.estimate.end_step()
-        self.steps_since_change += 1
-        self.steps += 1
