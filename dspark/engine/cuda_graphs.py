@@ -414,8 +414,17 @@ class StepGraphs:
 
     # ------------------------------------------------------------------ one step
     def _decode_row(self, s) -> bool:
-        """A request that decodes / verifies its drafts: one graph row."""
-        return s.samples and s.num_tokens == 1 + s.num_spec_tokens and s.num_tokens <= self.q
+        """A request that decodes / verifies its drafts: one graph row. With drafter graphs, a prompt's
+        last token alone (a chunked prompt whose final chunk is one token: the request has no output token
+        yet) is a prefill chunk, not a decode row, although its counts look alike: a sampled decode row
+        without drafts cannot run one-sync (ModelRunner._one_sync), so such a step went through the host's
+        verification path, which at large batch compiled kernel specialisations the capture never met
+        (H200, session 34: 2-4 s of Triton compiles inside a batch-128 temperature-1 bench call); as a
+        prefill row it draws its first token with the Sampler under the same key, so the tokens are the
+        same. (Plain decode graphs, q = 1, sample such a row as any decode row.)"""
+        return (s.samples and s.num_tokens == 1 + s.num_spec_tokens and s.num_tokens <= self.q
+                and (not self.draft_graphs or s.num_spec_tokens > 0
+                     or s.request.num_tokens > s.request.num_prompt_tokens))
 
     def covers(self, scheduled) -> bool:
         """Whether this step can run as graphs: decode / verification rows only, batch small enough."""

@@ -155,3 +155,48 @@ def test_plain_prefill_rows_only_for_graph_rows(spec_pair, prompts):
     want, _ = _run_plain(t, reqs, graph=False)
     got, n = _run_plain(t, reqs, graph=True)
     assert got == want and n == 0
+
+
+def test_a_prompts_last_token_alone_is_a_prefill_row(spec_pair, monkeypatch):
+    """A prompt chunked so that its last chunk is one token (prefill rows fill the graph rows the
+    verifying requests leave) looks like a decode row without drafts. As one, a sampled request made the
+    whole step leave the one-sync path for the host's verification (on the H200 that compiled kernel
+    specialisations the capture had not met, at batch 128); as a prefill row (GraphSteps._decode_row) the
+    step stays one-sync and the tokens are those of the eager reference, seeded sampled ones included."""
+    import random
+
+    rng = random.Random(0)
+    reqs = [([rng.randrange(4, 500) for _ in range(rng.randrange(2, 40))],
+             SamplingParams(temperature=1.0, seed=i, max_tokens=rng.randrange(3, 12), ignore_eos=True))
+            for i in range(8)]
+    t, d = spec_pair
+
+    def run(graph_prefill: bool):
+        llm = LLM(str(t), device="cpu", block_size=4, num_kv_blocks=512, attention_backend="triton", max_num_seqs=4,
+                  graph_prefill_tokens=512 if graph_prefill else 0,
+                  speculative_config={"model": str(d), "draft_sample_method": "probabilistic",
+                                      "rejection_sample_method": "block"})
+        runner = llm.engine.runner
+        runner.enable_graphs(capture=False, batch_sizes=[2, 4], buckets=[64, 128])
+        runner.split_mixed_steps = graph_prefill
+        lone, host = [], []
+
+        def spy(fn):
+            def run_step(sched, *a):
+                lone.extend(s for s in sched.scheduled
+                            if s.num_tokens == 1 and s.request.num_tokens == s.request.num_prompt_tokens)
+                return fn(sched, *a)
+            return run_step
+
+        for name in ("execute", "launch_one_sync"):  # the two ways a step starts (the second: async, one-sync)
+            monkeypatch.setattr(runner, name, spy(getattr(runner, name)))
+        verify = runner._verify
+        monkeypatch.setattr(runner, "_verify", lambda *a: (host.append(1), verify(*a))[1])
+        got, _, _ = _drive(llm, reqs)
+        return _summary(got), len(lone), len(host)
+
+    want, _, _ = run(False)
+    got, lone, host = run(True)
+    assert lone >= 1  # the case happened (a prompt's last token alone in a step)
+    assert host == 0  # and no step took the host's verification path
+    assert got == want
