@@ -41,6 +41,10 @@ prompts recur across cells and warm-ups, and HF has no prefix cache.
 
 Greedy cells store a hash of the generated token ids: DSpark must equal dspark without speculation
 (losslessness); HF is compared too, for information (kernels differ, so near-ties may flip).
+``--greedy-share S`` makes the sampled cells mixed batches, as a server sees them (a share S of each
+cell's requests greedy, the same requests in every system; dspark only): the sampled-batch rule and
+adaptive verification choose differently for them, and their greedy requests' tokens are checked
+against plain decoding's too (``greedy_tokens_sha256``, a ``greedy_checks`` entry with the temperature).
 """
 
 from __future__ import annotations
@@ -89,6 +93,10 @@ def add_bench_matrix_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperatures", default="0,1", help="comma-separated; 0 = greedy (default: 0,1)")
     p.add_argument("--top-p", type=float, default=1.0,
                    help="nucleus sampling for the sampled cells (T > 0), every system alike (default: 1, off)")
+    p.add_argument("--greedy-share", type=float, default=0.0,
+                   help="in the sampled cells (T > 0), this share of the requests decodes greedily, spread evenly "
+                        "over the cell (request i is greedy when floor((i+1)s) > floor(is)): mixed batches, as a "
+                        "server sees them; needs --no-hf (default: 0, every request at the cell's temperature)")
     p.add_argument("--max-tokens", type=int, default=None,
                    help="new tokens per request, EOS ignored (default: 256 on CUDA, 32 on CPU)")
     p.add_argument("--stop-at-eos", action="store_true",
@@ -131,6 +139,7 @@ class DsparkSystem:
 
     top_p = 1.0  # sampled cells (run_bench_matrix sets --top-p)
     stop_at_eos = False  # (run_bench_matrix sets --stop-at-eos)
+    greedy_share = 0.0  # (run_bench_matrix sets --greedy-share)
 
     def __init__(self, llm) -> None:
         self.llm = llm
@@ -152,6 +161,9 @@ class DsparkSystem:
         before = (self.steps, st.num_steps, st.num_accepted, st.verify_time_s, st.draft_time_s)
         params = SamplingParams(temperature=temperature, top_p=self.top_p if temperature > 0 else 1.0,
                                 max_tokens=max_tokens, ignore_eos=not self.stop_at_eos)
+        if temperature > 0 and self.greedy_share > 0:  # a mixed batch: some requests greedy
+            greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=not self.stop_at_eos)
+            params = [greedy if g else params for g in greedy_slots(len(batch), self.greedy_share)]
         engine.scheduler.max_num_seqs = min(concurrency or len(batch), engine.config.max_num_seqs)
         gc_module.collect()  # each timed call starts from the same collector state (earlier calls' outputs freed)
         _sync(dev)
@@ -289,6 +301,12 @@ def run_cell(system, waves: list[list[list[int]]], temperature: float, max_token
 
 
 # ---------------------------------------------------------------------------------------- cells
+def greedy_slots(n: int, share: float) -> list[bool]:
+    """Which of a cell's n requests decode greedily under --greedy-share: spread evenly, the same
+    requests in every system and call (so their tokens can be compared across systems)."""
+    return [int((i + 1) * share) > int(i * share) for i in range(n)]
+
+
 def tokens_hash(ids: list[list[int]]) -> str:
     return hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]
 
@@ -343,6 +361,18 @@ def greedy_checks(cells: list[dict]) -> list[dict]:
         spec, spec_b, hf = (by.get((name, ps, b)) for name in ("dspark_spec", "dspark_spec_b", "hf"))
         g = dict(prompt_set=ps, batch_size=b, spec_identical_to_plain=None if spec is None else spec == h,
                  hf_identical_to_plain=None if hf is None else hf == h)
+        if spec_b is not None:
+            g["spec_b_identical_to_plain"] = spec_b == h
+        out.append(g)
+    # the greedy requests of mixed cells (--greedy-share): their tokens too must be plain decoding's
+    mixed = {(c["system"], c["prompt_set"], c["temperature"], c["batch_size"]): c["greedy_tokens_sha256"]
+             for c in cells if c.get("greedy_tokens_sha256")}
+    for (system, ps, t, b), h in mixed.items():
+        if system != "dspark_plain":
+            continue
+        spec, spec_b = (mixed.get((name, ps, t, b)) for name in ("dspark_spec", "dspark_spec_b"))
+        g = dict(prompt_set=ps, batch_size=b, temperature=t, greedy_requests_only=True,
+                 spec_identical_to_plain=None if spec is None else spec == h, hf_identical_to_plain=None)
         if spec_b is not None:
             g["spec_b_identical_to_plain"] = spec_b == h
         out.append(g)
@@ -445,6 +475,10 @@ def _run_bench_matrix(a: argparse.Namespace) -> int:
         raise ValueError(f"--top-p must be in (0, 1], got {a.top_p}")
     if a.cell_prompts is not None and a.cell_prompts < 1:
         raise ValueError("--cell-prompts must be >= 1")
+    if not 0.0 <= a.greedy_share < 1.0:
+        raise ValueError(f"--greedy-share must be in [0, 1), got {a.greedy_share}")
+    if a.greedy_share > 0 and not a.no_hf:
+        raise ValueError("--greedy-share needs --no-hf: HF generate runs one sampling setting per call")
     # whole waves of B (HF's, and dspark's with --static-batches)
     cell_prompts = {b: b * -(-(a.cell_prompts or defaults["cell_prompts"](b)) // b) for b in batch_sizes}
     num_prompts = a.num_prompts or max(cell_prompts.values())
@@ -531,6 +565,8 @@ def _run_bench_matrix(a: argparse.Namespace) -> int:
 
     for system in systems.values():
         system.top_p, system.stop_at_eos = a.top_p, a.stop_at_eos
+        if isinstance(system, DsparkSystem):
+            system.greedy_share = a.greedy_share
     cells: list[dict] = []
     res = run_header("dspark bench: HF transformers vs dspark vs dspark + DSpark, side by side", engine, device) | {
         "complete": False,  # the JSON is rewritten after every (prompt set, temperature, batch size)
@@ -542,6 +578,7 @@ def _run_bench_matrix(a: argparse.Namespace) -> int:
                         for ps, p in prompts.items()},
         "temperatures": temperatures,
         "top_p": a.top_p,
+        "greedy_share": a.greedy_share,
         "max_tokens": max_tokens,
         "stop_at_eos": a.stop_at_eos,
         "warmup": a.warmup,
@@ -578,6 +615,12 @@ def _run_bench_matrix(a: argparse.Namespace) -> int:
                 key = dict(prompt_set=ps, temperature=t)
                 new = [make_cell(n, labels[n], key, r, b, max_tokens, "continuous" if continuous[n] else "waves")
                        for n, r in runs.items()]
+                if t > 0 and a.greedy_share > 0:  # a mixed cell: its greedy requests' tokens, for greedy_checks
+                    for c, (name, r) in zip(new, runs.items()):  # (each wave of --static-batches its own call)
+                        slots = ([g for w in waves for g in greedy_slots(len(w), a.greedy_share)] if not continuous[name]
+                                 else greedy_slots(len(r[0].token_ids), a.greedy_share))
+                        c["greedy_share"] = a.greedy_share
+                        c["greedy_tokens_sha256"] = tokens_hash([ids for ids, g in zip(r[0].token_ids, slots) if g])
                 for c, name in zip(new, systems):  # Triton compiles inside the timed calls (stalls the warm-up missed)
                     ev = compiles[name]
                     c["runtime_compiles"] = len(ev)
@@ -609,7 +652,8 @@ def _run_bench_matrix(a: argparse.Namespace) -> int:
         for k, what in (("spec_identical_to_plain", "DSpark"), ("spec_b_identical_to_plain", "DSpark (b)")):
             if g.get(k) is False:
                 log(f"warning: greedy {what} output differs from dspark without speculation "
-                    f"({g['prompt_set']}, B={g['batch_size']})")
+                    f"({g['prompt_set']}, B={g['batch_size']}"
+                    + (f", the greedy requests of the T={g['temperature']:g} cell" if "temperature" in g else "") + ")")
     if a.plot_dir:
         res["plots"] = write_plots(res, a.plot_dir)
         log(f"plots: {', '.join(res['plots'])}")

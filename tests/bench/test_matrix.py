@@ -211,3 +211,30 @@ def test_second_spec_configuration_side_by_side(tiny, one_thread, capsys):
     # a bad second configuration is named before any engine loads
     assert main(["bench", *common, "--no-hf", "--speculative-config-b", "[1]", "--prompt-source", str(source)]) != 0
     assert "--speculative-config-b must be a JSON object" in capsys.readouterr().err
+
+
+def test_greedy_share_makes_mixed_cells(tiny, one_thread, capsys):
+    """--greedy-share: in the sampled cells a share of the requests decodes greedily (a mixed batch); their
+    tokens are checked against plain decoding's like a greedy cell's (lossless), in continuous batching and
+    in static waves; HF cannot mix and must be left out; the share must be in [0, 1)."""
+    from dspark.bench.matrix import greedy_slots
+
+    assert greedy_slots(4, 0.5) == [False, True, False, True] and not any(greedy_slots(3, 0.0))
+    assert sum(greedy_slots(8, 0.25)) == 2
+    root, common, source = tiny
+    for extra in ([], ["--static-batches"]):
+        out = root / f"mixed{len(extra)}.json"
+        assert main(["bench", *common, "--no-hf", "--batch-sizes", "2", "--max-tokens", "4", "--temperatures", "1",
+                     "--prompt-sets", "sharegpt", "--prompt-source", str(source), "--greedy-share", "0.5",
+                     "--cell-prompts", "4", "--json", str(out), *extra]) == 0
+        res = json.loads(out.read_text())
+        assert res["greedy_share"] == 0.5
+        cells = {c["system"]: c for c in res["cells"]}
+        assert cells["dspark_spec"]["greedy_tokens_sha256"] == cells["dspark_plain"]["greedy_tokens_sha256"]
+        assert cells["dspark_spec"]["tokens_sha256"] != cells["dspark_plain"]["tokens_sha256"]  # the sampled ones differ
+        (check,) = res["greedy_checks"]
+        assert check["greedy_requests_only"] and check["temperature"] == 1.0 and check["spec_identical_to_plain"] is True
+    for bad, msg in ((["--no-hf", "--greedy-share", "1"], "--greedy-share must be in"),
+                     (["--greedy-share", "0.5"], "--greedy-share needs --no-hf")):
+        assert main(["bench", *common, "--prompt-source", str(source), *bad]) != 0
+        assert msg in capsys.readouterr().err
