@@ -57,6 +57,13 @@ SMALL_M_GEMV = {"1": True, "0": False}.get(os.environ.get("DSPARK_SMALL_M_GEMV",
 # also lost were deleted; sessions 21, 32 and 33 measured four more few-row designs, none faster in the
 # engine: kernels/gemv.py's docstring)
 GEMV_MAX_ROWS = int(os.environ.get("DSPARK_GEMV_MAX_ROWS", "1"))
+# Steps of 2-16 rows (a batch-1 or -2 verification block, decode at batch 2-16) on kernels/fewrow.py:
+# tensor-core products with the residual adds, RMSNorms and SwiGLU in their epilogues (6 launches per
+# layer instead of 9; DecoderLayer.forward_fewrow). DSPARK_FEWROW=1 on everywhere, =0 off; unset, on for
+# CUDA tensors only (CPU tests turn it on explicitly). Measured on the H200 (session 35,
+# benchmarks/fewrow_chain_bench.py, 30 layers of random SmolLM2-shaped weights from HBM, 8 rows): a
+# layer's products with their norms and SwiGLU 17.7 µs against 22.7 on cuBLAS + the fused_ops kernels.
+FEWROW = {"1": True, "0": False}.get(os.environ.get("DSPARK_FEWROW", ""))  # None: CUDA only
 # With SMALL_M_GEMV, o_proj and down_proj on gemv.linear_small_m too (no launch saved there, only a
 # different kernel than cuBLAS's); DSPARK_SMALL_M_GEMV_PLAIN=0 keeps cuBLAS for those two.
 SMALL_M_GEMV_PLAIN = os.environ.get("DSPARK_SMALL_M_GEMV_PLAIN", "1") == "1"
@@ -168,6 +175,36 @@ class DecoderLayer(nn.Module):
         down = self.mlp.down_proj
         return (linear_small_m(act, _gemv_w(down), down.bias) if plain else down(act)), residual, h
 
+    def forward_fewrow(self, x: torch.Tensor, h: torch.Tensor, sumsq, next_norm: torch.Tensor | None,
+                       positions: torch.Tensor, rope: RotaryEmbedding, backend: TritonAttentionBackend,
+                       meta: TritonAttentionMetadata, kv: torch.Tensor, rope_in_attention: bool = False):
+        """forward_fused for 2-16 rows on kernels/fewrow.py. Takes ``x``, this layer's normed input in the
+        form the previous layer left it (``z = g * h`` with its sums of squares ``sumsq``; for layer 0 the
+        normed embeddings and None), and ``h``, the layer's input (the residual stream). Returns ``(z, h',
+        sumsq')``: h' this layer's output (its tap) and z = next_norm * h' for the next layer (None
+        without ``next_norm``, the last layer, whose output the caller norms). Launches:
+
+        linear (qkv, times 1 / rms) -> rope_qk_cache -> paged attention (+ the split merge) ->
+        linear_residual (o_proj + residual add; z and sums of squares for the post-attention norm) ->
+        gate_up_silu (times 1 / rms, SwiGLU) -> linear_residual (down_proj + residual add; z and sums for
+        the next layer's input norm): 6 launches (7 with a key split, 5 with rope_in_attention)."""
+        from dspark.kernels import fewrow
+
+        a, mlp = self.self_attn, self.mlp
+        T = x.shape[0]
+        qkv = fewrow.linear(x, _gemv_w(a.qkv_proj), sumsq, self.input_layernorm.eps)
+        o = self._attend_fused(qkv, positions, rope, backend, meta, kv, rope_in_attention).reshape(T, a.q_size)
+        post = self.post_attention_layernorm
+        s1, z1, sumsq1 = fewrow.linear_residual(o, _gemv_w(a.o_proj), h, post.weight)
+        act = fewrow.gate_up_silu(z1, _gemv_w(mlp.gate_up_proj), sumsq1, post.eps)
+        h, z, sumsq = fewrow.linear_residual(act, _gemv_w(mlp.down_proj), s1, next_norm)
+        return z, h, sumsq
+
+    def fewrow_ready(self) -> bool:
+        """Whether forward_fewrow may run: gemv_ready and no bias on any of the four products."""
+        a, mlp = self.self_attn, self.mlp
+        return self.gemv_ready() and all(lin.bias is None for lin in (a.qkv_proj, a.o_proj, mlp.down_proj))
+
     def _attend_fused(self, qkv: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                       backend: TritonAttentionBackend, meta: TritonAttentionMetadata, kv: torch.Tensor,
                       rope_in_attention: bool) -> torch.Tensor:
@@ -236,6 +273,9 @@ class LlamaForCausalLM(nn.Module):
         self.small_m_gemv: bool | None = SMALL_M_GEMV
         self.gemv_max_rows = GEMV_MAX_ROWS
         self.small_m_gemv_plain = SMALL_M_GEMV_PLAIN  # o_proj / down_proj on the GEMV too
+        # steps of up to fewrow.MAX_ROWS rows not taken by the GEMVs on kernels/fewrow.py (fused forward
+        # only; see FEWROW); None: on CUDA only
+        self.fewrow: bool | None = FEWROW
 
     def forward(
         self,
@@ -275,6 +315,10 @@ class LlamaForCausalLM(nn.Module):
         taps: dict[int, torch.Tensor] = {}
         on = input_ids.is_cuda if self.small_m_gemv is None else self.small_m_gemv
         gemv = on and input_ids.shape[0] <= self.gemv_max_rows
+        from dspark.kernels import fewrow
+
+        T = input_ids.shape[0]
+        few = (input_ids.is_cuda if self.fewrow is None else self.fewrow) and T <= fewrow.MAX_ROWS
         if gemv and all(layer.gemv_ready() for layer in self.layers):
             x, residual = self.embed_tokens(input_ids), None  # layer 0 norms the embeddings in its qkv GEMV
             for i, layer in enumerate(self.layers):
@@ -285,6 +329,17 @@ class LlamaForCausalLM(nn.Module):
             x, residual = add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
             if len(self.layers) - 1 in self.tap_layers:
                 taps[len(self.layers) - 1] = residual
+        elif few and T and all(layer.fewrow_ready() for layer in self.layers):
+            norm = self.layers[0].input_layernorm
+            x, h = add_rms_norm(self.embed_tokens(input_ids), None, norm.weight, norm.eps)
+            sumsq = None  # layer 0 takes the normed embeddings
+            for i, layer in enumerate(self.layers):
+                nxt = self.layers[i + 1].input_layernorm.weight if i + 1 < len(self.layers) else None
+                x, h, sumsq = layer.forward_fewrow(x, h, sumsq, nxt, positions, self.rope, backend, meta,
+                                                   kv_caches[i], self.rope_in_attention)
+                if i in self.tap_layers:
+                    taps[i] = h
+            x = add_rms_norm(h, None, self.norm.weight, self.norm.eps)[0]
         else:
             norm = self.layers[0].input_layernorm
             x, residual = add_rms_norm(self.embed_tokens(input_ids), None, norm.weight, norm.eps)

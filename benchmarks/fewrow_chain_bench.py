@@ -1,0 +1,163 @@
+"""Few-row decoder-layer chains on the GPU: the GEMM path (cuBLAS + add_rms_norm + silu_and_mul) against
+kernels/fewrow.py (tensor-core products with the norms and SwiGLU in their epilogues).
+
+Random SmolLM2-shaped bf16 weights, a distinct set per layer (30 layers: ~200 MB, streamed from HBM as in
+the model, unlike a microbenchmark that replays one weight from L2); attention is left out (the same
+kernels in both). Each chain is captured as one CUDA graph and replayed.
+
+    python3 benchmarks/fewrow_chain_bench.py OUT.json [--rows 2,8,16] [--sweep]
+
+--sweep: each product alone (a graph of 30 launches over the 30 layers' weights) over block_n / block_k /
+stages / warps, against cuBLAS; the chains then use each product's best setting as well as the defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+
+import torch
+
+from dspark.kernels import fewrow as fr
+from dspark.kernels.fused_ops import add_rms_norm, silu_and_mul
+
+H, Q, I, L, EPS = 576, 960, 1536, 30, 1e-5
+
+
+def graph_us(fn, reps: int = 200) -> float:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    for _ in range(10):
+        g.replay()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        for _ in range(reps):
+            g.replay()
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - t) / reps * 1e6)
+    return best
+
+
+def make_layers(output_major: bool):
+    def w(k, n):
+        t = torch.randn(k, n, device="cuda", dtype=torch.bfloat16) / k**0.5
+        return t.t().contiguous().t() if output_major else t
+    return [dict(qkv=w(H, Q), o=w(H, H), gu=w(H, 2 * I), d=w(I, H),
+                 g1=(torch.rand(H, device="cuda") + 0.5).bfloat16(), g2=(torch.rand(H, device="cuda") + 0.5).bfloat16())
+            for _ in range(L)]
+
+
+def chain_gemm(layers, h0, attn):
+    x, res = add_rms_norm(h0, None, layers[0]["g1"], EPS)
+    for i, p in enumerate(layers):
+        torch.matmul(x, p["qkv"])
+        o = torch.matmul(attn, p["o"])
+        x2, res = add_rms_norm(o, res, p["g2"], EPS)
+        act = silu_and_mul(torch.matmul(x2, p["gu"]))
+        d = torch.matmul(act, p["d"])
+        g = layers[i + 1]["g1"] if i + 1 < L else layers[0]["g1"]
+        x, res = add_rms_norm(d, res, g, EPS)
+    return x, res
+
+
+def chain_fewrow(layers, h0, attn, cfg):
+    x, h = add_rms_norm(h0, None, layers[0]["g1"], EPS)
+    ss = None
+    for i, p in enumerate(layers):
+        fr.linear(x, p["qkv"], ss, EPS, **cfg.get("qkv", {}))
+        s1, z1, p1 = fr.linear_residual(attn, p["o"], h, p["g2"], **cfg.get("o", {}))
+        act = fr.gate_up_silu(z1, p["gu"], p1, EPS, **cfg.get("gu", {}))
+        g = layers[i + 1]["g1"] if i + 1 < L else layers[0]["g1"]
+        h, x, ss = fr.linear_residual(act, p["d"], s1, g, **cfg.get("d", {}))
+    return x, h
+
+
+def sweep(layers, M):
+    """Each product alone, 30 launches over the 30 layers' weights."""
+    a_h = torch.randn(M, H, device="cuda", dtype=torch.bfloat16)
+    a_i = torch.randn(M, I, device="cuda", dtype=torch.bfloat16)
+    ss = fr.SumSq(torch.rand(1, 16, device="cuda") * 100 + 1, H)
+    res = torch.randn(M, H, device="cuda", dtype=torch.bfloat16)
+    g = layers[0]["g1"]
+    kinds = {
+        "qkv": (lambda cfg: [fr.linear(a_h, p["qkv"], ss, EPS, **cfg) for p in layers],
+                lambda: [torch.matmul(a_h, p["qkv"]) for p in layers]),
+        "o": (lambda cfg: [fr.linear_residual(a_h, p["o"], res, g, **cfg) for p in layers],
+              lambda: [torch.matmul(a_h, p["o"]) for p in layers]),
+        "gu": (lambda cfg: [fr.gate_up_silu(a_h, p["gu"], ss, EPS, **cfg) for p in layers],
+               lambda: [torch.matmul(a_h, p["gu"]) for p in layers]),
+        "d": (lambda cfg: [fr.linear_residual(a_i, p["d"], res, g, **cfg) for p in layers],
+              lambda: [torch.matmul(a_i, p["d"]) for p in layers]),
+    }
+    out, best = {}, {}
+    for kind, (fn, cublas) in kinds.items():
+        rows = {"cublas": graph_us(cublas) / L}
+        seen = set()
+        for bn, bk, sp, st in itertools.product((16, 32), (64, 128, 256), (1, 2, 3, 4, 6), (3, 6)):
+            K = I if kind == "d" else H
+            cfg = dict(block_n=bn, block_k=bk, split=sp, num_stages=st)
+            key = tuple(sorted(fr.fewrow_config(K, {"qkv": Q, "o": H, "gu": I, "d": H}[kind], **cfg).items()))
+            if key in seen:
+                continue
+            seen.add(key)
+            name = f"bn{bn}_bk{bk}_sp{sp}_st{st}"
+            try:
+                rows[name] = graph_us(lambda: fn(cfg), reps=100) / L
+            except Exception as e:  # out of shared memory etc.
+                rows[name] = repr(e)[:80]
+        timed = {k: v for k, v in rows.items() if k != "cublas" and isinstance(v, float)}
+        k_best = min(timed, key=timed.get)
+        bn, bk, sp, st = (int(x[2:]) for x in k_best.split("_"))
+        best[kind] = dict(block_n=bn, block_k=bk, split=sp, num_stages=st)
+        out[kind] = rows
+        print(f"M={M} {kind}: cublas {rows['cublas']:.2f} us, default "
+              f"{graph_us(lambda: fn({}), reps=100) / L:.2f}, best {k_best} {timed[k_best]:.2f}", flush=True)
+    return out, best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--rows", default="2,8,16")
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--output-major", type=int, default=1)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    layers = make_layers(bool(args.output_major))
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": {}}
+    best = {}
+    for j, M in enumerate(int(m) for m in args.rows.split(",")):
+        h0 = torch.randn(M, H, device="cuda", dtype=torch.bfloat16)
+        attn = torch.randn(M, H, device="cuda", dtype=torch.bfloat16)
+        r = {}
+        if args.sweep and j == 0:  # the first row count's best settings serve the others
+            r["sweep"], best = sweep(layers, M)
+        xa, ha = chain_gemm(layers, h0, attn)
+        xb, hb = chain_fewrow(layers, h0, attn, {})
+        r["max_abs_diff_h"] = (ha.float() - hb.float()).abs().max().item()
+        r["max_abs_h"] = ha.float().abs().max().item()
+        r["gemm_us_per_layer"] = graph_us(lambda: chain_gemm(layers, h0, attn)) / L
+        r["fewrow_default_us_per_layer"] = graph_us(lambda: chain_fewrow(layers, h0, attn, {})) / L
+        if best:
+            r["best"] = best
+            r["fewrow_best_us_per_layer"] = graph_us(lambda: chain_fewrow(layers, h0, attn, best)) / L
+        print(f"M={M}: " + json.dumps({k: v for k, v in r.items() if k != "sweep"}), flush=True)
+        res["rows"][M] = r
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,351 @@
+"""Few-row (``M <= 16``) tensor-core products of a decoder layer with the RMSNorms and SwiGLU moved into
+their epilogues, each with its PyTorch reference.
+
+Why: a verification step at batch 1 (1 + 7 rows) runs each layer as cuBLAS GEMMs plus two add_rms_norm
+launches and one silu_and_mul (9-10 launches per layer); the one-row decode step folds those into its
+GEMVs (kernels/gemv.py), so verification costs 1.34x decode on the H200 (session 32; issue 5 asks 1.25x).
+Sessions 13-33 tried seven few-row designs that put the norm *before* the product (a prologue, or its sum
+of squares inside the K loop) and all lost: any work between a tile's load and its MMA stalls the
+pipelined loads (docs/benchmarks.md, session 33). Here the K loop is a bare ``tl.dot`` and everything
+else happens once the products are done:
+
+    RMSNorm(s) @ W = (1 / rms(s)) * ((g * s) @ W)        g: the norm weight, rms over the hidden size
+
+so the producer of ``s`` (the o_proj or down_proj product, whose epilogue adds the residual) also stores
+``z = g * s`` for the next product and the per-tile sums of squares of ``s``; the consumer multiplies
+its finished products by ``1 / rms`` from those sums. The sums are written per program (``[tiles, 16]``
+fp32) and summed in a fixed order by the consumer: no atomics, so results do not depend on scheduling.
+A layer (the first layer's qkv takes the already normed embeddings):
+
+    qkv = linear(z_in, W_qkv, sumsq_in)          -> RoPE + K/V write -> attention
+    s1, z1, p1 = linear_residual(o, W_o, h_in, g_post)
+    act = gate_up_silu(z1, W_gate_up, p1)
+    h_out, z2, p2 = linear_residual(act, W_down, s1, g_next_input)   (h_out: the layer's output, a tap)
+
+6 launches per layer (7 with an attention key split) against the GEMM path's 9 (10).
+
+Rounding: the residual add, the products' outputs and SwiGLU round as fused_ops does (the product
+rounded to the dtype, the add in the dtype, silu in fp32 then rounded). The norm rounds differently from
+``add_rms_norm``: ``round(g * s)`` enters the product and ``1 / rms`` scales its fp32 sums, where the
+reference rounds ``s / rms`` and then ``g * that``. So results match the reference to the dtype's
+precision, not bit for bit (as cuBLAS against the GEMVs already does); fp32 inputs match to ~1e-6.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from dspark.kernels import check_device, next_pow2
+from dspark.kernels.fused_ops import _launch_opts, add_rms_norm_reference, cast_rtne, silu_and_mul_reference
+
+MAX_ROWS = 16  # one 16-row MMA tile
+BM = 16
+TARGET_PROGRAMS = 128  # about the SM count (H200: 132): programs wanted for split-K
+
+
+@triton.jit
+def _fewrow_kernel(
+    a_ptr, stride_a, w_ptr, stride_wk, stride_wn, y_ptr, stride_y,
+    pin_ptr, n_pin, eps,  # SCALE: per-tile sums of squares [n_pin, BM] of the rows the input was made from
+    r_ptr, stride_r, z_ptr, stride_z, g_ptr, pout_ptr,  # RESID: residual in, z = g * s out, sums out
+    ws_ptr, cnt_ptr,  # SPLIT > 1: fp32 partial products [SPLIT, tiles, (2,) BM, BLOCK_N]; arrival counters [tiles]
+    M, K, N, UP, K_PER,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, P_PAD: tl.constexpr, SPLIT: tl.constexpr,
+    BM: tl.constexpr, SCALE: tl.constexpr, GATE_UP: tl.constexpr, RESID: tl.constexpr, HAS_G: tl.constexpr,
+    PRECISE: tl.constexpr, IEEE: tl.constexpr,
+):
+    """y[:, n] = a @ W[:, n] for this program's BLOCK_N columns: a bare tensor-core K loop, then
+    SCALE (times 1 / rms of the input's source rows), GATE_UP (silu(y) * (a @ W[:, UP + n])) or RESID
+    (s = y + residual stored in y; z = g * s and the tile's sums of squares of s).
+
+    SPLIT > 1 (split-K, for more programs than the N tiles alone give): program (pid, j) multiplies the
+    K slice ``[j * K_PER, (j + 1) * K_PER)``, stores its fp32 tile in the workspace and counts its arrival;
+    the last of a tile's SPLIT programs to arrive sums the SPLIT tiles in slice order (deterministic),
+    runs the epilogue and resets the counter for the next launch."""
+    pid = tl.program_id(0)
+    j = tl.program_id(1)
+    dt = a_ptr.dtype.element_ty
+    rows = tl.arange(0, BM)
+    rm = rows < M
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    nm = n < N
+    kb = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
+    k_lo = j * K_PER
+    for k0 in tl.range(k_lo, k_lo + K_PER, BLOCK_K, num_stages=NUM_STAGES):
+        k = k0 + kb
+        km = k < K
+        a = tl.load(a_ptr + rows[:, None] * stride_a + k[None, :], mask=rm[:, None] & km[None, :], other=0.0)
+        w_off = k[:, None] * stride_wk + n[None, :] * stride_wn
+        wmask = km[:, None] & nm[None, :]
+        w = tl.load(w_ptr + w_off, mask=wmask, other=0.0)
+        if IEEE:  # fp32 inputs, or Triton's CPU interpreter (whose tl.dot mishandles bf16): exact fp32 products
+            acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, w, acc)
+        if GATE_UP:
+            wu = tl.load(w_ptr + w_off + UP * stride_wn, mask=wmask, other=0.0)
+            if IEEE:
+                acc_u = tl.dot(a.to(tl.float32), wu.to(tl.float32), acc_u, input_precision="ieee")
+            else:
+                acc_u = tl.dot(a, wu, acc_u)
+
+    if SPLIT > 1:
+        n_tiles = tl.num_programs(0)
+        t = rows[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        tile = 2 * BM * BLOCK_N
+        tl.store(ws_ptr + (j * n_tiles + pid) * tile + t, acc)
+        if GATE_UP:
+            tl.store(ws_ptr + (j * n_tiles + pid) * tile + BM * BLOCK_N + t, acc_u)
+        tl.debug_barrier()  # every thread's stores precede the (releasing) arrival
+        arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT - 1:  # the last arrival: the sum in slice order, then the epilogue
+            acc = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
+            acc_u = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
+            for i in tl.static_range(SPLIT):
+                acc += tl.load(ws_ptr + (i * n_tiles + pid) * tile + t, cache_modifier=".cg")
+                if GATE_UP:
+                    acc_u += tl.load(ws_ptr + (i * n_tiles + pid) * tile + BM * BLOCK_N + t, cache_modifier=".cg")
+            tl.store(cnt_ptr + pid, 0)
+            _epilogue(acc, acc_u, rows, rm, n, nm, y_ptr, stride_y, pin_ptr, n_pin, eps, r_ptr, stride_r, z_ptr,
+                      stride_z, g_ptr, pout_ptr, pid, K, P_PAD, BM, SCALE, GATE_UP, RESID, HAS_G, PRECISE)
+    else:
+        _epilogue(acc, acc_u, rows, rm, n, nm, y_ptr, stride_y, pin_ptr, n_pin, eps, r_ptr, stride_r, z_ptr,
+                  stride_z, g_ptr, pout_ptr, pid, K, P_PAD, BM, SCALE, GATE_UP, RESID, HAS_G, PRECISE)
+
+
+@triton.jit
+def _epilogue(acc, acc_u, rows, rm, n, nm, y_ptr, stride_y, pin_ptr, n_pin, eps, r_ptr, stride_r, z_ptr, stride_z,
+              g_ptr, pout_ptr, pid, K, P_PAD: tl.constexpr, BM: tl.constexpr, SCALE: tl.constexpr,
+              GATE_UP: tl.constexpr, RESID: tl.constexpr, HAS_G: tl.constexpr, PRECISE: tl.constexpr):
+    dt = y_ptr.dtype.element_ty
+    if SCALE:  # 1 / rms of the rows z was made from, summed over the producer's tiles in a fixed order
+        p = tl.arange(0, P_PAD)
+        part = tl.load(pin_ptr + p[:, None] * BM + rows[None, :], mask=(p < n_pin)[:, None], other=0.0)
+        inv = tl.math.rsqrt(tl.sum(part, 0) / K + eps)[:, None]
+        acc = acc * inv
+        acc_u = acc_u * inv
+    out = cast_rtne(acc, dt)  # the product's output in the dtype
+    if GATE_UP:  # fused_ops.silu_and_mul's roundings on the rounded gate and up
+        gf = out.to(tl.float32)
+        u = cast_rtne(acc_u, dt).to(tl.float32)
+        if PRECISE:
+            sg = tl.math.div_rn(gf, 1.0 + libdevice.exp(-gf))
+        else:
+            sg = gf / (1.0 + tl.exp(-gf))
+        out = cast_rtne(cast_rtne(sg, dt).to(tl.float32) * u, dt)
+    om = rm[:, None] & nm[None, :]
+    if RESID:  # s = product + residual (the eager add in the dtype), its sums of squares, z = g * s
+        r = tl.load(r_ptr + rows[:, None] * stride_r + n[None, :], mask=om, other=0.0)
+        out = cast_rtne(out.to(tl.float32) + r.to(tl.float32), dt)
+        sf = tl.where(om, out.to(tl.float32), 0.0)
+        tl.store(pout_ptr + pid * BM + rows, tl.sum(sf * sf, 1))
+        if HAS_G:
+            g = tl.load(g_ptr + n, mask=nm, other=0.0).to(tl.float32)
+            tl.store(z_ptr + rows[:, None] * stride_z + n[None, :], cast_rtne(sf * g[None, :], dt), mask=om)
+    tl.store(y_ptr + rows[:, None] * stride_y + n[None, :], out, mask=om)
+
+
+# ------------------------------------------------------------------------------------ configs
+def _env_int(name: str) -> int | None:
+    v = os.environ.get(name)
+    return int(v) if v else None
+
+
+def fewrow_config(K: int, N: int, tiles: int = 1, block_n: int | None = None, block_k: int | None = None,
+                  num_warps: int | None = None, num_stages: int | None = None, split: int | None = None) -> dict:
+    """Launch configuration for reduction size K and N output columns (``tiles`` weight tiles per
+    program: 2 for gate|up). Overrides: the arguments, else DSPARK_FEWROW_{BLOCK_N,BLOCK_K,WARPS,STAGES,SPLIT}.
+
+    Defaults, for a weight streamed from HBM (a model's layers do not stay in L2), from the H200 sweep of
+    session 35 (benchmarks/fewrow_chain_bench.py --sweep, 8 rows, SmolLM2's shapes, µs per launch among
+    30 layers' weights; cuBLAS in brackets): qkv 576 -> 960 BLOCK_N 16, BLOCK_K 128, 6 stages 3.20 (3.31);
+    o 576 -> 576 BLOCK_N 16, BLOCK_K 64, 6 stages 3.25 (3.14); gate|up 576 -> 2 x 1,536 with SwiGLU
+    BLOCK_N 32, BLOCK_K 64, 6 stages 4.88 (4.14 without SwiGLU); down 1,536 -> 576 BLOCK_N 32, BLOCK_K 128,
+    split-K 6, 3 stages 4.24 (5.01). So: one K slice while K takes at most 9 K steps of 64 (split-K did not
+    help there), else BLOCK_K 128 and slices of 2 steps up to ~TARGET_PROGRAMS programs; BLOCK_N 32 for
+    two weight tiles or long K, else 16; the slice's K steps in flight (3-6 stages)."""
+    long_k = K > 9 * 64
+    bn = block_n or _env_int("DSPARK_FEWROW_BLOCK_N") or (32 if tiles == 2 or long_k else 16)
+    bk = block_k or _env_int("DSPARK_FEWROW_BLOCK_K") or (128 if long_k else 64)
+    for v, what in ((bn, "block_n"), (bk, "block_k")):
+        if v < 16 or v & (v - 1):
+            raise ValueError(f"{what} must be a power of two >= 16 (an MMA tile), got {v}")
+    steps = triton.cdiv(K, bk)
+    n_tiles = triton.cdiv(N, bn)
+    sp = split or _env_int("DSPARK_FEWROW_SPLIT") or (max(1, min(TARGET_PROGRAMS // n_tiles, steps // 2))
+                                                      if long_k else 1)
+    per = triton.cdiv(steps, max(1, min(sp, steps)))  # K steps per slice; no empty slice
+    sp = triton.cdiv(steps, per)
+    stages = num_stages or _env_int("DSPARK_FEWROW_STAGES") or min(6, max(3, per))
+    nw = num_warps or _env_int("DSPARK_FEWROW_WARPS") or 4
+    return dict(BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=stages, num_warps=nw, SPLIT=sp, K_PER=per * bk, TILES=tiles)
+
+
+class Workspace:
+    """Split-K scratch of one device: fp32 partial tiles and the per-tile arrival counters (zero between
+    launches: each launch's last arrivals reset theirs). Kernels on one stream share it; it grows only
+    outside CUDA-graph capture, so a model allocates it before capturing (``workspace(device, ...)``)."""
+
+    def __init__(self, device: torch.device, floats: int, counters: int) -> None:
+        self.ws = torch.empty(floats, dtype=torch.float32, device=device)
+        self.cnt = torch.zeros(counters, dtype=torch.int32, device=device)
+
+
+_WORKSPACES: dict[torch.device, Workspace] = {}
+
+
+def workspace(device: torch.device, floats: int = 1 << 20, counters: int = 4096) -> Workspace:
+    """The device's split-K workspace, grown to at least ``floats`` partial values and ``counters``."""
+    device = torch.device(device)
+    w = _WORKSPACES.get(device)
+    if w is None or w.ws.numel() < floats or w.cnt.numel() < counters:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the few-row split-K workspace must grow before CUDA-graph capture: call "
+                               "dspark.kernels.fewrow.workspace(device, floats, counters) first")
+        w = _WORKSPACES[device] = Workspace(device, max(floats, w.ws.numel() if w else 0),
+                                            max(counters, w.cnt.numel() if w else 0))
+    return w
+
+
+# ----------------------------------------------------------------------------------- wrappers
+class SumSq:
+    """Per-tile sums of squares of the rows of ``s`` ``[tiles, 16]`` (fp32), written by linear_residual:
+    what a consumer needs to apply RMSNorm(s) after its product."""
+
+    __slots__ = ("partials", "hidden")
+
+    def __init__(self, partials: Tensor, hidden: int) -> None:
+        self.partials = partials
+        self.hidden = hidden
+
+
+def _rows(x: Tensor, K: int, name: str) -> Tensor:
+    if x.dim() != 2 or x.shape[1] != K:
+        raise ValueError(f"{name} has shape {tuple(x.shape)}: expected [rows, {K}] (the weight's K)")
+    if x.shape[0] > MAX_ROWS:
+        raise ValueError(f"{name} has {x.shape[0]} rows: the few-row kernels take at most {MAX_ROWS}")
+    return x if x.stride(1) == 1 else x.contiguous()
+
+
+def _weight(x: Tensor, w_t: Tensor) -> tuple[int, int]:
+    check_device(x)
+    if w_t.dim() != 2 or w_t.dtype != x.dtype or w_t.device != x.device:
+        raise ValueError(f"w_t must be a 2-D [K, N] weight of x's dtype and device, got {tuple(w_t.shape)} "
+                         f"{w_t.dtype} on {w_t.device} (x: {x.dtype} on {x.device})")
+    return w_t.shape
+
+
+def _launch(a, w_t, y, N, up, cfg, sumsq=None, eps=0.0, residual=None, z=None, g=None, pout=None, gate_up=False):
+    M, K = a.shape
+    dummy = a
+    n_pin = sumsq.partials.shape[0] if sumsq is not None else 0
+    n_tiles = triton.cdiv(N, cfg["BLOCK_N"])
+    ws = cnt = dummy
+    if cfg["SPLIT"] > 1:
+        w = workspace(a.device, cfg["SPLIT"] * n_tiles * 2 * BM * cfg["BLOCK_N"], n_tiles)
+        ws, cnt = w.ws, w.cnt
+    _fewrow_kernel[(n_tiles, cfg["SPLIT"])](
+        a, a.stride(0), w_t, w_t.stride(0), w_t.stride(1), y, y.stride(0),
+        sumsq.partials if sumsq is not None else dummy, n_pin, eps,
+        residual if residual is not None else dummy, residual.stride(0) if residual is not None else 0,
+        z if z is not None else dummy, z.stride(0) if z is not None else 0,
+        g if g is not None else dummy, pout if pout is not None else dummy, ws, cnt,
+        M, K, N, up, cfg["K_PER"],
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], NUM_STAGES=cfg["NUM_STAGES"], P_PAD=next_pow2(max(n_pin, 1)),
+        SPLIT=cfg["SPLIT"], BM=BM, SCALE=sumsq is not None, GATE_UP=gate_up, RESID=residual is not None,
+        HAS_G=g is not None, PRECISE=a.device.type == "cuda", IEEE=a.dtype == torch.float32 or a.device.type != "cuda",
+        num_warps=cfg["num_warps"], **_launch_opts(a),
+    )
+
+
+def _check_sumsq(sumsq: SumSq | None, K: int) -> None:
+    if sumsq is not None and sumsq.hidden != K:
+        raise ValueError(f"the sums of squares are over {sumsq.hidden} columns, the product's K is {K}")
+
+
+def linear(x: Tensor, w_t: Tensor, sumsq: SumSq | None = None, eps: float = 0.0, **config) -> Tensor:
+    """``x @ w_t`` in x's dtype for at most 16 rows; with ``sumsq`` (x = z = g * s of a linear_residual)
+    the product times ``1 / rms(s)``, i.e. ``rms_norm(s, g) @ w_t``."""
+    K, N = _weight(x, w_t)
+    a = _rows(x, K, "x")
+    _check_sumsq(sumsq, K)
+    y = torch.empty(a.shape[0], N, dtype=x.dtype, device=x.device)
+    if a.shape[0]:
+        _launch(a, w_t, y, N, 0, fewrow_config(K, N, **config), sumsq=sumsq, eps=eps)
+    return y
+
+
+def gate_up_silu(x: Tensor, w_t: Tensor, sumsq: SumSq | None = None, eps: float = 0.0, **config) -> Tensor:
+    """``silu(gate) * up`` of the fused gate|up product (``w_t`` ``[K, 2I]``, gate in columns ``:I``),
+    normed like ``linear`` with ``sumsq``: replaces a norm, the gate_up GEMM and silu_and_mul."""
+    K, N2 = _weight(x, w_t)
+    if N2 % 2:
+        raise ValueError(f"w_t has {N2} columns: a fused gate|up weight needs an even count")
+    a = _rows(x, K, "x")
+    _check_sumsq(sumsq, K)
+    I = N2 // 2
+    y = torch.empty(a.shape[0], I, dtype=x.dtype, device=x.device)
+    if a.shape[0]:
+        _launch(a, w_t, y, I, I, fewrow_config(K, I, 2, **config), sumsq=sumsq, eps=eps, gate_up=True)
+    return y
+
+
+def linear_residual(x: Tensor, w_t: Tensor, residual: Tensor, norm_weight: Tensor | None,
+                    **config) -> tuple[Tensor, Tensor | None, SumSq]:
+    """``s = round(x @ w_t) + residual`` (rounded to the dtype, the eager residual add) and, for the
+    next product, ``z = norm_weight * s`` (None without a norm weight) and the sums of squares of s.
+    Returns ``(s, z, sumsq)``."""
+    K, N = _weight(x, w_t)
+    a = _rows(x, K, "x")
+    if residual.shape != (a.shape[0], N) or residual.dtype != x.dtype:
+        raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} must be [{a.shape[0]}, {N}] {x.dtype}")
+    if norm_weight is not None and (tuple(norm_weight.shape) != (N,) or norm_weight.dtype != x.dtype):
+        raise ValueError(f"norm_weight {tuple(norm_weight.shape)} {norm_weight.dtype} must be ({N},) {x.dtype}")
+    r = residual if residual.stride(1) == 1 else residual.contiguous()
+    cfg = fewrow_config(K, N, **config)
+    tiles = triton.cdiv(N, cfg["BLOCK_N"])
+    s = torch.empty(a.shape[0], N, dtype=x.dtype, device=x.device)
+    z = torch.empty_like(s) if norm_weight is not None else None
+    partials = torch.empty(tiles, BM, dtype=torch.float32, device=x.device)  # every program writes all 16 rows
+    if a.shape[0]:
+        _launch(a, w_t, s, N, 0, cfg, residual=r, z=z, g=norm_weight, pout=partials)
+    return s, z, SumSq(partials, N)
+
+
+def norm_input(h: Tensor, norm_weight: Tensor) -> tuple[Tensor, SumSq]:
+    """``(z, sumsq)`` for rows h that no linear_residual produced (the embeddings): eager torch ops, for
+    tests and references; the engine norms its first layer's input with fused_ops.add_rms_norm."""
+    hf = h.float()
+    partials = torch.zeros(1, BM, dtype=torch.float32, device=h.device)
+    partials[0, : h.shape[0]] = (hf * hf).sum(-1)
+    return (hf * norm_weight.float()).to(h.dtype), SumSq(partials, h.shape[1])
+
+
+# --------------------------------------------------------------------------------- references
+def linear_reference(s: Tensor, norm_weight: Tensor | None, eps: float, w_t: Tensor) -> Tensor:
+    """``rms_norm(s, norm_weight) @ w_t`` (plain ``s @ w_t`` without a norm weight), fp32 sums."""
+    h = add_rms_norm_reference(s, None, norm_weight, eps)[0] if norm_weight is not None else s
+    return (h.float() @ w_t.float()).to(s.dtype)
+
+
+def gate_up_silu_reference(s: Tensor, norm_weight: Tensor | None, eps: float, w_t: Tensor) -> Tensor:
+    return silu_and_mul_reference(linear_reference(s, norm_weight, eps, w_t))
+
+
+def linear_residual_reference(x: Tensor, w_t: Tensor, residual: Tensor) -> Tensor:
+    return (x.float() @ w_t.float()).to(x.dtype) + residual
+
+
+__all__ = [
+    "MAX_ROWS", "SumSq", "fewrow_config", "gate_up_silu", "gate_up_silu_reference", "linear", "linear_reference",
+    "linear_residual", "linear_residual_reference", "norm_input",
+]

@@ -1,0 +1,267 @@
+"""Few-row tensor-core products with the norms and SwiGLU in their epilogues (dspark/kernels/fewrow.py)
+vs their PyTorch references, split-K included, and the fused decoder forward on them
+(``LlamaForCausalLM.fewrow``) vs the GEMM path, down to the engine's greedy tokens.
+
+Runs in Triton's interpreter on the CPU (tests/kernels/conftest.py). The kernels apply RMSNorm after the
+product (``(g * s) @ W / rms(s)``) where the reference norms first, so bf16 results differ from the
+reference by the norm's roundings (an ulp of the normed input, summed over K); fp32 agrees to ~1e-5.
+The residual sum ``s`` and the sums of squares are compared exactly / to fp32 precision.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton's first import (conftest does it too)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from dspark.kernels import fewrow as fr  # noqa: E402
+from dspark.kernels import interpreter_ready  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not interpreter_ready(), reason="Triton interpreter not active in this process")
+
+DTYPES = [torch.float32, torch.bfloat16]
+EPS = 1e-5
+
+
+def _data(M: int, K: int, N: int, dtype: torch.dtype, seed: int, output_major: bool = False):
+    g = torch.Generator().manual_seed(seed)
+    s = (torch.randn(M, K, generator=g) * 3).to(dtype)  # the rows a norm is taken of
+    nw = (torch.rand(K, generator=g) + 0.5).to(dtype)
+    w = (torch.randn(K, N, generator=g) * K**-0.5).to(dtype)
+    if output_major:
+        w = w.t().contiguous().t()
+    res = (torch.randn(M, N, generator=g) * 2).to(dtype)
+    return s, nw, w, res
+
+
+def _assert_close(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor) -> None:
+    """fp32: 1e-5 relative plus 1e-6 of the terms' size; bf16: 2 ulp plus 2^-8 of ``bound`` = |a| @ |W|
+    (every normed input may sit an ulp from the reference's)."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    g, w, b = got.float(), want.float(), bound.float()
+    if got.dtype == torch.float32:
+        tol = 1e-5 * w.abs() + 1e-6 * b + 1e-30
+    else:
+        tol = 2 * torch.exp2(torch.floor(torch.log2(w.abs().clamp_min(2.0**-126))) - 7) + 2.0**-8 * b
+    assert bool(((g - w).abs() <= tol).all()), ((g - w).abs() - tol).max()
+
+
+def _normed_bound(s, nw, w):
+    return (fr.add_rms_norm_reference(s, None, nw, EPS)[0].float().abs() @ w.float().abs())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("split", [1, 3])
+@pytest.mark.parametrize("M,K,N", [(1, 576, 960), (8, 100, 50), (16, 64, 16), (5, 256, 70)])
+def test_linear_with_norm(M: int, K: int, N: int, split: int, dtype: torch.dtype) -> None:
+    s, nw, w, _ = _data(M, K, N, dtype, seed=M + K)
+    z, ss = fr.norm_input(s, nw)
+    got = fr.linear(z, w, ss, EPS, block_n=64, block_k=32, split=split)
+    _assert_close(got, fr.linear_reference(s, nw, EPS, w), _normed_bound(s, nw, w))
+    plain = fr.linear(s, w, block_n=32, block_k=64, split=split)  # no norm: the product alone
+    _assert_close(plain, fr.linear_reference(s, None, EPS, w), s.float().abs() @ w.float().abs())
+    if dtype == torch.float32:
+        assert torch.allclose(plain, s @ w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("split", [1, 2])
+@pytest.mark.parametrize("M,K,I", [(8, 576, 96), (3, 128, 40)])
+def test_gate_up_silu(M: int, K: int, I: int, split: int, dtype: torch.dtype) -> None:
+    s, nw, w, _ = _data(M, K, 2 * I, dtype, seed=I, output_major=True)
+    z, ss = fr.norm_input(s, nw)
+    got = fr.gate_up_silu(z, w, ss, EPS, block_n=32, block_k=64, split=split)
+    want = fr.gate_up_silu_reference(s, nw, EPS, w)
+    b = _normed_bound(s, nw, w)
+    # silu(g) * u: bound the error by the gate and up products' own bounds times their sizes
+    gu = fr.linear_reference(s, nw, EPS, w).float()
+    bound = b[:, :I] * gu[:, I:].abs() + b[:, I:] * gu[:, :I].abs().clamp_min(1) + 1
+    _assert_close(got, want, bound)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("split", [1, 4])
+@pytest.mark.parametrize("M,K,N", [(8, 1536 // 4, 576 // 4), (16, 96, 48), (2, 64, 33)])
+def test_linear_residual(M: int, K: int, N: int, split: int, dtype: torch.dtype) -> None:
+    """s = round(x @ W) + residual exactly as the reference rounds it (fp32 sums in another order: compared
+    to the reference computed from the kernel's own rounded product); z = g * s; the sums of squares."""
+    x, _, w, res = _data(M, K, N, dtype, seed=K + N)
+    g = (torch.rand(N, generator=torch.Generator().manual_seed(3)) + 0.5).to(dtype)
+    s, z, ss = fr.linear_residual(x, w, res, g, block_n=16, block_k=32, split=split)
+    prod = fr.linear(x, w, block_n=16, block_k=32, split=split)
+    _assert_close(prod, (x.float() @ w.float()).to(dtype), x.float().abs() @ w.float().abs())
+    assert torch.equal(s, prod + res)  # the eager add in the dtype, on the same rounded product
+    assert torch.equal(z, (s.float() * g.float()).to(dtype))
+    assert ss.hidden == N and ss.partials.shape == (fr.triton.cdiv(N, 16), fr.BM)
+    assert torch.allclose(ss.partials.sum(0)[:M], (s.float() ** 2).sum(-1), rtol=1e-5)
+    assert not ss.partials[:, M:].any()  # rows past M contribute nothing
+    s2, z2, _ = fr.linear_residual(x, w, res, None, block_n=16, block_k=32, split=split)
+    assert z2 is None and torch.equal(s2, s)
+    if split > 1:  # the arrival counters are back to zero for the next launch
+        assert not fr.workspace(x.device).cnt.any()
+
+
+def test_a_layer_chain_matches_the_unfused_layer() -> None:
+    """o_proj -> gate_up -> down as a layer chains them: the sums of squares travel from each
+    linear_residual to the next product (fp32)."""
+    from dspark.kernels.fused_ops import add_rms_norm_reference, silu_and_mul_reference
+
+    M, H, I = 6, 64, 96
+    gen = torch.Generator().manual_seed(5)
+    h = torch.randn(M, H, generator=gen)
+    attn = torch.randn(M, H, generator=gen)
+    wo, wgu, wd = (torch.randn(k, n, generator=gen) * k**-0.5 for k, n in ((H, H), (H, 2 * I), (I, H)))
+    g_post, g_next = torch.rand(H, generator=gen) + 0.5, torch.rand(H, generator=gen) + 0.5
+    s1, z1, p1 = fr.linear_residual(attn, wo, h, g_post, block_n=16, block_k=32)
+    act = fr.gate_up_silu(z1, wgu, p1, EPS, block_n=32, block_k=32)
+    out, z2, p2 = fr.linear_residual(act, wd, s1, g_next, block_n=16, block_k=32, split=3)
+    nxt = fr.linear(z2, wo, p2, EPS, block_n=32, block_k=32)  # the next layer's normed product
+    r1 = attn @ wo + h
+    x2 = add_rms_norm_reference(r1, None, g_post, EPS)[0]
+    r2 = silu_and_mul_reference(x2 @ wgu) @ wd + r1
+    want_next = add_rms_norm_reference(r2, None, g_next, EPS)[0] @ wo
+    for got, want in ((s1, r1), (out, r2), (nxt, want_next)):
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), (got - want).abs().max()
+
+
+def test_default_configs() -> None:
+    """The H200 defaults for SmolLM2's four products (session 35's sweep) and their split-K slices."""
+    assert fr.fewrow_config(576, 960) == dict(BLOCK_N=16, BLOCK_K=64, NUM_STAGES=6, num_warps=4, SPLIT=1,
+                                              K_PER=576, TILES=1)
+    assert fr.fewrow_config(576, 1536, 2)["BLOCK_N"] == 32
+    down = fr.fewrow_config(1536, 576)
+    assert (down["BLOCK_N"], down["BLOCK_K"], down["SPLIT"], down["K_PER"]) == (32, 128, 6, 256)
+    odd = fr.fewrow_config(1000, 64, split=7)  # 8 K steps of 128 in 7 slices: 4 slices of 2, none empty
+    assert odd["SPLIT"] == 4 and odd["K_PER"] == 256
+    # default configurations run (interpreter: one small case)
+    s, nw, w, res = _data(3, 1536, 40, torch.float32, seed=1)
+    out, _, _ = fr.linear_residual(s, w, res, None)
+    assert torch.allclose(out, s @ w + res, rtol=1e-5, atol=1e-4)
+
+
+def test_bad_inputs() -> None:
+    s, nw, w, res = _data(4, 64, 32, torch.float32, seed=0)
+    z, ss = fr.norm_input(s, nw)
+    with pytest.raises(ValueError, match=r"expected \[rows, 64\]"):
+        fr.linear(s[:, :60], w)
+    with pytest.raises(ValueError, match="at most 16"):
+        fr.linear(torch.zeros(17, 64), w)
+    with pytest.raises(ValueError, match="dtype"):
+        fr.linear(s, w.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="sums of squares are over 64 columns"):
+        fr.linear(torch.zeros(4, 32), torch.zeros(32, 8), ss)
+    with pytest.raises(ValueError, match="even"):
+        fr.gate_up_silu(s, w[:, :31])
+    with pytest.raises(ValueError, match="residual"):
+        fr.linear_residual(s, w, res[:2], None)
+    with pytest.raises(ValueError, match="norm_weight"):
+        fr.linear_residual(s, w, res, nw)  # 64 entries for 32 columns
+    with pytest.raises(ValueError, match="power of two"):
+        fr.linear(s, w, block_n=24)
+    assert fr.linear(s[:0], w).shape == (0, 32)
+
+
+# ----------------------------------------------------------------------- the model's fused forward
+@torch.inference_mode()
+def _step(model, backend, few: bool, dtype):
+    """T = 8 rows: two decodes, a verification block of 1 + 4 rows, a padding request."""
+    from tests.layers.test_triton_attention import ragged_layout
+
+    cfg = model.config
+    layout, num_blocks = ragged_layout([12, 9, 30], [1, 1, 5], page=4, pad_requests=1, seed=2)
+    T = layout.query_start_loc[-1]
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, cfg.vocab_size, (T,), generator=g)
+    kv = torch.randn(cfg.num_hidden_layers, 2, num_blocks, 4, cfg.num_key_value_heads, cfg.head_dim,
+                     generator=g).to(dtype)
+    model.fused, model.small_m_gemv, model.fewrow = True, False, few
+    hidden, taps = model(ids, layout.positions, backend, backend.prepare(layout), kv)
+    return hidden, taps, kv
+
+
+ARCHS = {"llama": (dict(num_hidden_layers=3), (2, 0)), "qwen3": ({}, (1,))}
+
+
+@pytest.fixture(scope="module", params=list(ARCHS))
+def model_case(request, tmp_path_factory):
+    from tests.conftest import write_tiny_checkpoint
+
+    overrides, taps = ARCHS[request.param]
+    path = write_tiny_checkpoint(tmp_path_factory.mktemp("fewrow") / request.param, request.param, seed=11, **overrides)
+    return request.param, path, taps
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_forward_fewrow_matches_gemm_path(model_case, dtype, monkeypatch) -> None:
+    """Hidden states, taps (each layer's raw output) and K/V caches of the few-row path equal the GEMM
+    path's up to the norm's roundings; the path runs for every layer."""
+    from dspark.models.llama import DecoderLayer
+    from tests.models.test_fused_forward import RefAttentionBackend, assert_close, build_model
+
+    arch, path, taps = model_case
+    if dtype == torch.bfloat16 and arch != "llama":
+        pytest.skip("bf16 on one architecture is enough")
+    model = build_model(path, taps, dtype)
+    backend = RefAttentionBackend("cpu")
+    want = _step(model, backend, False, dtype)
+    calls = []
+    orig = DecoderLayer.forward_fewrow
+    monkeypatch.setattr(DecoderLayer, "forward_fewrow", lambda self, *a, **k: calls.append(1) or orig(self, *a, **k))
+    got = _step(model, backend, True, dtype)
+    assert len(calls) == model.config.num_hidden_layers
+    assert got[1].shape == want[1].shape == (8, len(taps) * model.config.hidden_size)
+    tol = 1e-5 if dtype == torch.float32 else 2**-5
+    for g, w in zip(got, want):
+        assert_close(g, w, tol)
+
+
+def test_fewrow_off_for_many_rows_biases_and_batch_invariant(model_case, monkeypatch) -> None:
+    from dspark.layers.linear import use_batch_invariant
+    from dspark.models.llama import DecoderLayer
+    from tests.models.test_fused_forward import RefAttentionBackend, build_model, run_step
+
+    arch, path, taps = model_case
+    if arch != "llama":
+        pytest.skip("one architecture is enough")
+
+    def fail(*a, **k):
+        raise AssertionError("forward_fewrow with more than 16 rows, a bias or batch-invariant Linears")
+
+    monkeypatch.setattr(DecoderLayer, "forward_fewrow", fail)
+    model = build_model(path, taps)
+    model.small_m_gemv, model.fewrow = False, True
+    assert run_step(model, RefAttentionBackend("cpu"), fused=True)[0].shape[0] > 16
+    model.layers[0].self_attn.o_proj.bias = torch.nn.Parameter(torch.zeros(model.config.hidden_size),
+                                                               requires_grad=False)
+    _step(model, RefAttentionBackend("cpu"), True, torch.float32)
+    model.layers[0].self_attn.o_proj.bias = None
+    use_batch_invariant(model)
+    _step(model, RefAttentionBackend("cpu"), True, torch.float32)
+
+
+def test_engine_greedy_tokens_fewrow_on_off(model_case, tmp_path_factory, monkeypatch) -> None:
+    """Whole engine with DSpark (verification rows, rollbacks) and an 8-token budget (chunked prefill),
+    so every step has at most 8 rows and runs on the few-row kernels: the same greedy tokens and
+    acceptance with the switch on as off (fp32)."""
+    from dspark import LLM
+    from dspark.models.llama import DecoderLayer
+    from tests.models.test_fused_forward import GREEDY, engine_case
+
+    arch, path, taps = model_case
+    prompts, kw = engine_case((arch, path, taps), tmp_path_factory, "fewrow")
+    calls = []
+    orig = DecoderLayer.forward_fewrow
+    monkeypatch.setattr(DecoderLayer, "forward_fewrow", lambda self, *a, **k: calls.append(1) or orig(self, *a, **k))
+    runs = []
+    for on in (False, True):
+        llm = LLM(str(path), attention_backend="triton", **kw)
+        assert llm.engine.runner.model.fused
+        llm.engine.runner.model.small_m_gemv, llm.engine.runner.model.fewrow = False, on
+        runs.append(([o.token_ids for o in llm.generate(prompts, GREEDY)],
+                     (llm.engine.spec_stats.num_drafts, llm.engine.spec_stats.num_accepted)))
+    assert runs[0] == runs[1] and runs[0][1][0] > 0 and calls
