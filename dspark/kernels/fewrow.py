@@ -43,7 +43,9 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from dspark.kernels import check_device, next_pow2
-from dspark.kernels.fused_ops import _launch_opts, add_rms_norm_reference, cast_rtne, silu_and_mul_reference
+from dspark.kernels.fused_ops import (
+    _cache_strides, _launch_opts, _rope, add_rms_norm_reference, cast_rtne, rope_qk_cache, silu_and_mul_reference,
+)
 
 MAX_ROWS = 16  # one 16-row MMA tile
 BM = 16
@@ -56,10 +58,12 @@ def _fewrow_kernel(
     pin_ptr, n_pin, eps,  # SCALE: per-tile sums of squares [n_pin, BM] of the rows the input was made from
     r_ptr, stride_r, z_ptr, stride_z, g_ptr, pout_ptr,  # RESID: residual in, z = g * s out, sums out
     ws_ptr, cnt_ptr,  # SPLIT > 1: fp32 partial products [SPLIT, tiles, (2,) BM, BLOCK_N]; arrival counters [tiles]
+    pos_ptr, cos_ptr, sin_ptr, stride_cs, qn_ptr, kn_ptr, qk_eps,  # ROPE: positions, tables, q/k norm weights
+    kc_ptr, vc_ptr, sc_slot, sc_head, slot_ptr, Q_SIZE, KV_SIZE,  # ROPE: the paged K/V caches and slots
     M, K, N, UP, K_PER,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, P_PAD: tl.constexpr, SPLIT: tl.constexpr,
     BM: tl.constexpr, SCALE: tl.constexpr, GATE_UP: tl.constexpr, RESID: tl.constexpr, HAS_G: tl.constexpr,
-    PRECISE: tl.constexpr, IEEE: tl.constexpr,
+    PRECISE: tl.constexpr, IEEE: tl.constexpr, ROPE: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr,
 ):
     """y[:, n] = a @ W[:, n] for this program's BLOCK_N columns: a bare tensor-core K loop, then
     SCALE (times 1 / rms of the input's source rows), GATE_UP (silu(y) * (a @ W[:, UP + n])) or RESID
@@ -68,7 +72,12 @@ def _fewrow_kernel(
     SPLIT > 1 (split-K, for more programs than the N tiles alone give): program (pid, j) multiplies the
     K slice ``[j * K_PER, (j + 1) * K_PER)``, stores its fp32 tile in the workspace and counts its arrival;
     the last of a tile's SPLIT programs to arrive sums the SPLIT tiles in slice order (deterministic),
-    runs the epilogue and resets the counter for the next launch."""
+    runs the epilogue and resets the counter for the next launch.
+
+    ROPE (the qkv product, BLOCK_N = D / 2): each program also multiplies its partner half-head (the
+    other half of the same head: columns n + D/2 for a first half, n - D/2 for a second), so the epilogue
+    has both halves that rotate-half RoPE pairs (and a q/k norm sums over): it rotates q and k, stores q
+    in y and writes k and v into the paged caches at the rows' slots (fused_ops.rope_qk_cache's work)."""
     pid = tl.program_id(0)
     j = tl.program_id(1)
     dt = a_ptr.dtype.element_ty
@@ -79,6 +88,8 @@ def _fewrow_kernel(
     kb = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
+    if ROPE:
+        UP = BLOCK_N - 2 * BLOCK_N * (pid % 2)  # the partner half-head's columns
     k_lo = j * K_PER
     for k0 in tl.range(k_lo, k_lo + K_PER, BLOCK_K, num_stages=NUM_STAGES):
         k = k0 + kb
@@ -91,7 +102,7 @@ def _fewrow_kernel(
             acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
         else:
             acc = tl.dot(a, w, acc)
-        if GATE_UP:
+        if GATE_UP or ROPE:
             wu = tl.load(w_ptr + w_off + UP * stride_wn, mask=wmask, other=0.0)
             if IEEE:
                 acc_u = tl.dot(a.to(tl.float32), wu.to(tl.float32), acc_u, input_precision="ieee")
@@ -103,7 +114,7 @@ def _fewrow_kernel(
         t = rows[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
         tile = 2 * BM * BLOCK_N
         tl.store(ws_ptr + (j * n_tiles + pid) * tile + t, acc)
-        if GATE_UP:
+        if GATE_UP or ROPE:
             tl.store(ws_ptr + (j * n_tiles + pid) * tile + BM * BLOCK_N + t, acc_u)
         tl.debug_barrier()  # every thread's stores precede the (releasing) arrival
         arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
@@ -112,14 +123,81 @@ def _fewrow_kernel(
             acc_u = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
             for i in tl.static_range(SPLIT):
                 acc += tl.load(ws_ptr + (i * n_tiles + pid) * tile + t, cache_modifier=".cg")
-                if GATE_UP:
+                if GATE_UP or ROPE:
                     acc_u += tl.load(ws_ptr + (i * n_tiles + pid) * tile + BM * BLOCK_N + t, cache_modifier=".cg")
             tl.store(cnt_ptr + pid, 0)
-            _epilogue(acc, acc_u, rows, rm, n, nm, y_ptr, stride_y, pin_ptr, n_pin, eps, r_ptr, stride_r, z_ptr,
-                      stride_z, g_ptr, pout_ptr, pid, K, P_PAD, BM, SCALE, GATE_UP, RESID, HAS_G, PRECISE)
+            if ROPE:
+                _rope_epilogue(acc, acc_u, rows, rm, n, y_ptr, stride_y, pin_ptr, n_pin, eps, pos_ptr, cos_ptr,
+                               sin_ptr, stride_cs, qn_ptr, kn_ptr, qk_eps, kc_ptr, vc_ptr, sc_slot, sc_head,
+                               slot_ptr, Q_SIZE, KV_SIZE, pid, K, BLOCK_N, P_PAD, BM, D, SCALE, QK_NORM)
+            else:
+                _epilogue(acc, acc_u, rows, rm, n, nm, y_ptr, stride_y, pin_ptr, n_pin, eps, r_ptr, stride_r,
+                          z_ptr, stride_z, g_ptr, pout_ptr, pid, K, P_PAD, BM, SCALE, GATE_UP, RESID, HAS_G,
+                          PRECISE)
+    elif ROPE:
+        _rope_epilogue(acc, acc_u, rows, rm, n, y_ptr, stride_y, pin_ptr, n_pin, eps, pos_ptr, cos_ptr, sin_ptr,
+                       stride_cs, qn_ptr, kn_ptr, qk_eps, kc_ptr, vc_ptr, sc_slot, sc_head, slot_ptr, Q_SIZE,
+                       KV_SIZE, pid, K, BLOCK_N, P_PAD, BM, D, SCALE, QK_NORM)
     else:
         _epilogue(acc, acc_u, rows, rm, n, nm, y_ptr, stride_y, pin_ptr, n_pin, eps, r_ptr, stride_r, z_ptr,
                   stride_z, g_ptr, pout_ptr, pid, K, P_PAD, BM, SCALE, GATE_UP, RESID, HAS_G, PRECISE)
+
+
+@triton.jit
+def _inv_rms(pin_ptr, n_pin, rows, eps, K, P_PAD: tl.constexpr, BM: tl.constexpr):
+    """1 / rms of the rows z was made from, their per-tile sums of squares summed in a fixed order: [BM, 1]."""
+    p = tl.arange(0, P_PAD)
+    part = tl.load(pin_ptr + p[:, None] * BM + rows[None, :], mask=(p < n_pin)[:, None], other=0.0)
+    return tl.math.rsqrt(tl.sum(part, 0) / K + eps)[:, None]
+
+
+@triton.jit
+def _rope_epilogue(acc, acc_p, rows, rm, n, y_ptr, stride_y, pin_ptr, n_pin, eps, pos_ptr, cos_ptr, sin_ptr,
+                   stride_cs, qn_ptr, kn_ptr, qk_eps, kc_ptr, vc_ptr, sc_slot, sc_head, slot_ptr, Q_SIZE, KV_SIZE,
+                   pid, K, BLOCK_N: tl.constexpr, P_PAD: tl.constexpr, BM: tl.constexpr, D: tl.constexpr,
+                   SCALE: tl.constexpr, QK_NORM: tl.constexpr):
+    """fused_ops.rope_qk_cache on this program's half-head of the rounded qkv product (x) and its
+    partner half (xp), with the same roundings: q/k norm over the whole head, RoPE, q stored, k / v
+    written to the caches (rows with a negative slot or past M skipped)."""
+    dt = y_ptr.dtype.element_ty
+    if SCALE:
+        inv = _inv_rms(pin_ptr, n_pin, rows, eps, K, P_PAD, BM)
+        acc = acc * inv
+        acc_p = acc_p * inv
+    x = cast_rtne(acc, dt)  # the qkv product's output in the dtype
+    xp = cast_rtne(acc_p, dt)
+    n0 = pid * BLOCK_N
+    d = n % D  # this half's dims within the head
+    dr = (d + D // 2) % D  # the partner's
+    rm2 = rm[:, None]
+    if n0 < Q_SIZE + KV_SIZE:  # q or k: per-head norm, RoPE
+        if QK_NORM:
+            xf = x.to(tl.float32)
+            pf = xp.to(tl.float32)
+            hinv = tl.math.rsqrt((tl.sum(xf * xf, 1) + tl.sum(pf * pf, 1)) / D + qk_eps)[:, None]
+            if n0 < Q_SIZE:
+                w = tl.load(qn_ptr + d).to(tl.float32)[None, :]
+                wr = tl.load(qn_ptr + dr).to(tl.float32)[None, :]
+            else:
+                w = tl.load(kn_ptr + d).to(tl.float32)[None, :]
+                wr = tl.load(kn_ptr + dr).to(tl.float32)[None, :]
+            x = cast_rtne(cast_rtne(xf * hinv, dt).to(tl.float32) * w, dt)
+            xp = cast_rtne(cast_rtne(pf * hinv, dt).to(tl.float32) * wr, dt)
+        pos = tl.load(pos_ptr + rows, mask=rm, other=0).to(tl.int64)
+        c = cast_rtne(tl.load(cos_ptr + pos[:, None] * stride_cs + d[None, :]).to(tl.float32), dt).to(tl.float32)
+        s = cast_rtne(tl.load(sin_ptr + pos[:, None] * stride_cs + d[None, :]).to(tl.float32), dt).to(tl.float32)
+        x = _rope(x, xp, c, s)
+    if n0 < Q_SIZE:
+        tl.store(y_ptr + rows[:, None] * stride_y + n[None, :], x, mask=rm2)
+    else:
+        slot = tl.load(slot_ptr + rows, mask=rm, other=-1).to(tl.int64)
+        ok = rm2 & (slot >= 0)[:, None]
+        if n0 < Q_SIZE + KV_SIZE:
+            off = slot[:, None] * sc_slot + ((n0 - Q_SIZE) // D) * sc_head + d[None, :]
+            tl.store(kc_ptr + off, cast_rtne(x.to(tl.float32), kc_ptr.dtype.element_ty), mask=ok)
+        else:
+            off = slot[:, None] * sc_slot + ((n0 - Q_SIZE - KV_SIZE) // D) * sc_head + d[None, :]
+            tl.store(vc_ptr + off, cast_rtne(x.to(tl.float32), vc_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -127,10 +205,8 @@ def _epilogue(acc, acc_u, rows, rm, n, nm, y_ptr, stride_y, pin_ptr, n_pin, eps,
               g_ptr, pout_ptr, pid, K, P_PAD: tl.constexpr, BM: tl.constexpr, SCALE: tl.constexpr,
               GATE_UP: tl.constexpr, RESID: tl.constexpr, HAS_G: tl.constexpr, PRECISE: tl.constexpr):
     dt = y_ptr.dtype.element_ty
-    if SCALE:  # 1 / rms of the rows z was made from, summed over the producer's tiles in a fixed order
-        p = tl.arange(0, P_PAD)
-        part = tl.load(pin_ptr + p[:, None] * BM + rows[None, :], mask=(p < n_pin)[:, None], other=0.0)
-        inv = tl.math.rsqrt(tl.sum(part, 0) / K + eps)[:, None]
+    if SCALE:  # 1 / rms of the rows z was made from
+        inv = _inv_rms(pin_ptr, n_pin, rows, eps, K, P_PAD, BM)
         acc = acc * inv
         acc_u = acc_u * inv
     out = cast_rtne(acc, dt)  # the product's output in the dtype
@@ -244,9 +320,11 @@ def _weight(x: Tensor, w_t: Tensor) -> tuple[int, int]:
     return w_t.shape
 
 
-def _launch(a, w_t, y, N, up, cfg, sumsq=None, eps=0.0, residual=None, z=None, g=None, pout=None, gate_up=False):
+def _launch(a, w_t, y, N, up, cfg, sumsq=None, eps=0.0, residual=None, z=None, g=None, pout=None, gate_up=False,
+            rope=None):
     M, K = a.shape
     dummy = a
+    r = rope or {}
     n_pin = sumsq.partials.shape[0] if sumsq is not None else 0
     n_tiles = triton.cdiv(N, cfg["BLOCK_N"])
     ws = cnt = dummy
@@ -259,10 +337,15 @@ def _launch(a, w_t, y, N, up, cfg, sumsq=None, eps=0.0, residual=None, z=None, g
         residual if residual is not None else dummy, residual.stride(0) if residual is not None else 0,
         z if z is not None else dummy, z.stride(0) if z is not None else 0,
         g if g is not None else dummy, pout if pout is not None else dummy, ws, cnt,
+        r.get("positions", dummy), r.get("cos", dummy), r.get("sin", dummy), r.get("stride_cs", 0),
+        r.get("q_norm", dummy), r.get("k_norm", dummy), r.get("qk_eps", 0.0), r.get("k_cache", dummy),
+        r.get("v_cache", dummy), r.get("sc_slot", 0), r.get("sc_head", 0), r.get("slots", dummy),
+        r.get("q_size", 0), r.get("kv_size", 0),
         M, K, N, up, cfg["K_PER"],
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], NUM_STAGES=cfg["NUM_STAGES"], P_PAD=next_pow2(max(n_pin, 1)),
         SPLIT=cfg["SPLIT"], BM=BM, SCALE=sumsq is not None, GATE_UP=gate_up, RESID=residual is not None,
         HAS_G=g is not None, PRECISE=a.device.type == "cuda", IEEE=a.dtype == torch.float32 or a.device.type != "cuda",
+        ROPE=rope is not None, D=r.get("D", 2), QK_NORM=r.get("q_norm") is not None,
         num_warps=cfg["num_warps"], **_launch_opts(a),
     )
 
@@ -321,6 +404,61 @@ def linear_residual(x: Tensor, w_t: Tensor, residual: Tensor, norm_weight: Tenso
     return s, z, SumSq(partials, N)
 
 
+def qkv_rope_cache(x: Tensor, w_t: Tensor, sumsq: SumSq | None, eps: float, positions: Tensor, cos: Tensor,
+                   sin_signed: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor, num_heads: int,
+                   num_kv_heads: int, q_norm: Tensor | None = None, k_norm: Tensor | None = None,
+                   qk_eps: float = 1e-6, **config) -> Tensor:
+    """``linear`` (the fused qkv projection, q | k | v columns of ``num_heads`` / ``num_kv_heads`` heads)
+    followed by fused_ops.rope_qk_cache in its epilogue: optional per-head q/k RMSNorm, rotate-half RoPE
+    at ``positions`` from RotaryEmbedding's ``cos`` / ``sin_signed`` tables, k and v written into the
+    paged caches ``[num_blocks, block_size, Hkv, D]`` at ``slot_mapping`` (negative: skipped). Returns
+    the rotated q ``[rows, num_heads, D]``. One launch instead of two; BLOCK_N is half a head."""
+    K, N = _weight(x, w_t)
+    a = _rows(x, K, "x")
+    _check_sumsq(sumsq, K)
+    M = a.shape[0]
+    if N % (num_heads + 2 * num_kv_heads):
+        raise ValueError(f"w_t has {N} columns: not (num_heads + 2 * num_kv_heads) = "
+                         f"{num_heads + 2 * num_kv_heads} heads of one size")
+    D = N // (num_heads + 2 * num_kv_heads)
+    if D & (D - 1) or D < 32:
+        raise ValueError(f"head_dim {D} must be a power of two >= 32 (half a head is one MMA tile)")
+    if tuple(k_cache.shape[-2:]) != (num_kv_heads, D) or k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"K/V caches {tuple(k_cache.shape)} {k_cache.dtype} / {v_cache.dtype} do not hold "
+                         f"{num_kv_heads} heads of {D}")
+    sc_slot, sc_head = _cache_strides(k_cache)
+    if _cache_strides(v_cache) != (sc_slot, sc_head):
+        raise ValueError("K and V caches must have the same layout")
+    if positions.shape != (M,) or slot_mapping.shape != (M,):
+        raise ValueError(f"positions {tuple(positions.shape)} and slot_mapping {tuple(slot_mapping.shape)} "
+                         f"must have one entry per row ({M})")
+    cos = cos if cos.stride(-1) == 1 else cos.contiguous()
+    sin_signed = sin_signed.to(cos.dtype)
+    if sin_signed.stride() != cos.stride():
+        sin_signed, cos = sin_signed.contiguous(), cos.contiguous()
+    config.pop("block_n", None)  # half a head, always
+    cfg = fewrow_config(K, N, 2, block_n=D // 2, **config)
+    q = torch.empty(M, num_heads, D, dtype=x.dtype, device=x.device)
+    if M:
+        rope = dict(positions=positions, cos=cos, sin=sin_signed, stride_cs=cos.stride(0), q_norm=q_norm,
+                    k_norm=k_norm, qk_eps=qk_eps, k_cache=k_cache, v_cache=v_cache, sc_slot=sc_slot,
+                    sc_head=sc_head, slots=slot_mapping, q_size=num_heads * D, kv_size=num_kv_heads * D, D=D)
+        _launch(a, w_t, q.view(M, num_heads * D), N, 0, cfg, sumsq=sumsq, eps=eps, rope=rope)
+    return q
+
+
+def qkv_rope_cache_reference(x: Tensor, w_t: Tensor, sumsq: SumSq | None, eps: float, positions: Tensor,
+                             cos: Tensor, sin_signed: Tensor, k_cache: Tensor, v_cache: Tensor,
+                             slot_mapping: Tensor, num_heads: int, num_kv_heads: int, q_norm: Tensor | None = None,
+                             k_norm: Tensor | None = None, qk_eps: float = 1e-6, **config) -> Tensor:
+    """The two launches it replaces: ``linear`` then fused_ops.rope_qk_cache."""
+    qkv = linear(x, w_t, sumsq, eps, **config)
+    T, D = qkv.shape[0], qkv.shape[1] // (num_heads + 2 * num_kv_heads)
+    q, k, v = qkv.split([num_heads * D, num_kv_heads * D, num_kv_heads * D], dim=-1)
+    return rope_qk_cache(q.view(T, num_heads, D), k.view(T, num_kv_heads, D), v.view(T, num_kv_heads, D), positions,
+                         cos, sin_signed, k_cache, v_cache, slot_mapping, q_norm, k_norm, qk_eps)[0]
+
+
 def norm_input(h: Tensor, norm_weight: Tensor) -> tuple[Tensor, SumSq]:
     """``(z, sumsq)`` for rows h that no linear_residual produced (the embeddings): eager torch ops, for
     tests and references; the engine norms its first layer's input with fused_ops.add_rms_norm."""
@@ -347,5 +485,5 @@ def linear_residual_reference(x: Tensor, w_t: Tensor, residual: Tensor) -> Tenso
 
 __all__ = [
     "MAX_ROWS", "SumSq", "fewrow_config", "gate_up_silu", "gate_up_silu_reference", "linear", "linear_reference",
-    "linear_residual", "linear_residual_reference", "norm_input",
+    "linear_residual", "linear_residual_reference", "norm_input", "qkv_rope_cache", "qkv_rope_cache_reference",
 ]

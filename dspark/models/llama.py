@@ -184,16 +184,26 @@ class DecoderLayer(nn.Module):
         sumsq')``: h' this layer's output (its tap) and z = next_norm * h' for the next layer (None
         without ``next_norm``, the last layer, whose output the caller norms). Launches:
 
-        linear (qkv, times 1 / rms) -> rope_qk_cache -> paged attention (+ the split merge) ->
-        linear_residual (o_proj + residual add; z and sums of squares for the post-attention norm) ->
-        gate_up_silu (times 1 / rms, SwiGLU) -> linear_residual (down_proj + residual add; z and sums for
-        the next layer's input norm): 6 launches (7 with a key split, 5 with rope_in_attention)."""
+        qkv_rope_cache (qkv, times 1 / rms; q/k norm, RoPE and the K/V cache write in its epilogue) ->
+        paged attention (+ the split merge) -> linear_residual (o_proj + residual add; z and sums of
+        squares for the post-attention norm) -> gate_up_silu (times 1 / rms, SwiGLU) -> linear_residual
+        (down_proj + residual add; z and sums for the next layer's input norm): 5 launches (6 with a key
+        split). A head_dim under 32 (half a head must fill an MMA tile) or rope_in_attention: linear for
+        qkv and the separate RoPE launch (or RoPE inside attention), 6 (7) launches."""
         from dspark.kernels import fewrow
 
         a, mlp = self.self_attn, self.mlp
         T = x.shape[0]
-        qkv = fewrow.linear(x, _gemv_w(a.qkv_proj), sumsq, self.input_layernorm.eps)
-        o = self._attend_fused(qkv, positions, rope, backend, meta, kv, rope_in_attention).reshape(T, a.q_size)
+        eps = self.input_layernorm.eps
+        if rope_in_attention or a.head_dim < 32 or a.head_dim & (a.head_dim - 1):
+            qkv = fewrow.linear(x, _gemv_w(a.qkv_proj), sumsq, eps)
+            o = self._attend_fused(qkv, positions, rope, backend, meta, kv, rope_in_attention)
+        else:  # q/k norm, RoPE and the K/V cache write in the qkv product's epilogue: one launch fewer
+            qn, kn, qk_eps = (a.q_norm.weight, a.k_norm.weight, a.q_norm.eps) if a.q_norm is not None else (None, None, 0.0)
+            q = fewrow.qkv_rope_cache(x, _gemv_w(a.qkv_proj), sumsq, eps, positions, rope.cos, rope.sin_signed,
+                                      kv[0], kv[1], meta.slot_mapping, a.num_heads, a.num_kv_heads, qn, kn, qk_eps)
+            o = backend.attend(q, kv[0], kv[1], meta, a.scale)
+        o = o.reshape(T, a.q_size)
         post = self.post_attention_layernorm
         s1, z1, sumsq1 = fewrow.linear_residual(o, _gemv_w(a.o_proj), h, post.weight)
         act = fewrow.gate_up_silu(z1, _gemv_w(mlp.gate_up_proj), sumsq1, post.eps)

@@ -106,6 +106,47 @@ def test_linear_residual(M: int, K: int, N: int, split: int, dtype: torch.dtype)
         assert not fr.workspace(x.device).cnt.any()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qknorm"])
+@pytest.mark.parametrize("split", [1, 3])
+def test_qkv_rope_cache_equals_linear_then_rope_qk_cache(dtype, qk_norm: bool, split: int) -> None:
+    """The fused epilogue does rope_qk_cache's work on the product it just made: q and the cache
+    contents equal the two-launch reference bit for bit (fp32 with q/k norm: to the norm's summation
+    order); padding rows (negative slot) and rows past M leave the cache alone."""
+    from dspark.layers.basic import RotaryEmbedding
+
+    M, H, Hq, Hkv, D = 7, 96, 3, 1, 32
+    gen = torch.Generator().manual_seed(split + 2 * qk_norm)
+    s = (torch.randn(M, H, generator=gen) * 2).to(dtype)
+    nw = (torch.rand(H, generator=gen) + 0.5).to(dtype)
+    w = (torch.randn(H, (Hq + 2 * Hkv) * D, generator=gen) / 10).to(dtype).t().contiguous().t()
+    z, ss = fr.norm_input(s, nw)
+    rope = RotaryEmbedding(D, 10000.0, 64)
+    pos = torch.randint(0, 64, (M,), generator=gen)
+    slots = torch.tensor([3, 5, -1, 7, 8, 0, 12])
+    qn, kn = ((torch.rand(D, generator=gen) + 0.5).to(dtype) for _ in range(2)) if qk_norm else (None, None)
+    caches = [torch.full((4, 4, Hkv, D), 7.0, dtype=dtype) for _ in range(4)]
+    args = (pos, rope.cos, rope.sin_signed)
+    q = fr.qkv_rope_cache(z, w, ss, EPS, *args, caches[0], caches[1], slots, Hq, Hkv, qn, kn, 1e-6, split=split,
+                          block_k=32)
+    want = fr.qkv_rope_cache_reference(z, w, ss, EPS, *args, caches[2], caches[3], slots, Hq, Hkv, qn, kn, 1e-6,
+                                       split=split, block_k=32)
+    assert q.shape == (M, Hq, D)
+    if dtype == torch.float32 and qk_norm:
+        assert torch.allclose(q, want, rtol=1e-5, atol=1e-6) and torch.allclose(caches[0], caches[2], atol=1e-5)
+    else:
+        assert torch.equal(q, want) and torch.equal(caches[0], caches[2])
+    assert torch.equal(caches[1], caches[3])
+    written = torch.zeros(16, dtype=torch.bool)
+    written[slots[slots >= 0]] = True
+    assert bool((caches[0].view(16, -1)[~written] == 7.0).all())  # slot 2 (padding row's) etc. untouched
+    assert bool((caches[1].view(16, -1)[written] != 7.0).all())
+    with pytest.raises(ValueError, match="heads of one size"):
+        fr.qkv_rope_cache(z, w[:, :-1], ss, EPS, *args, caches[0], caches[1], slots, Hq, Hkv)
+    with pytest.raises(ValueError, match="one entry per row"):
+        fr.qkv_rope_cache(z, w, ss, EPS, pos[:3], rope.cos, rope.sin_signed, caches[0], caches[1], slots, Hq, Hkv)
+
+
 def test_a_layer_chain_matches_the_unfused_layer() -> None:
     """o_proj -> gate_up -> down as a layer chains them: the sums of squares travel from each
     linear_residual to the next product (fp32)."""
@@ -184,7 +225,10 @@ def _step(model, backend, few: bool, dtype):
     return hidden, taps, kv
 
 
-ARCHS = {"llama": (dict(num_hidden_layers=3), (2, 0)), "qwen3": ({}, (1,))}
+# head_dim 32 (llama with 2 heads, qwen3 with its q/k norms): RoPE and the K/V write in the qkv product's
+# epilogue; head_dim 16 (llama16): the qkv product and the separate RoPE launch
+ARCHS = {"llama": (dict(num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1), (2, 0)),
+         "qwen3": ({}, (1,)), "llama16": (dict(num_hidden_layers=3), (1,))}
 
 
 @pytest.fixture(scope="module", params=list(ARCHS))
@@ -192,7 +236,8 @@ def model_case(request, tmp_path_factory):
     from tests.conftest import write_tiny_checkpoint
 
     overrides, taps = ARCHS[request.param]
-    path = write_tiny_checkpoint(tmp_path_factory.mktemp("fewrow") / request.param, request.param, seed=11, **overrides)
+    arch = request.param.removesuffix("16")
+    path = write_tiny_checkpoint(tmp_path_factory.mktemp("fewrow") / request.param, arch, seed=11, **overrides)
     return request.param, path, taps
 
 
@@ -246,17 +291,21 @@ def test_fewrow_off_for_many_rows_biases_and_batch_invariant(model_case, monkeyp
 
 def test_engine_greedy_tokens_fewrow_on_off(model_case, tmp_path_factory, monkeypatch) -> None:
     """Whole engine with DSpark (verification rows, rollbacks) and an 8-token budget (chunked prefill),
-    so every step has at most 8 rows and runs on the few-row kernels: the same greedy tokens and
-    acceptance with the switch on as off (fp32)."""
+    so every step has at most 8 rows and runs on the few-row kernels (with head_dim 32 the K/V cache is
+    written by the qkv product's epilogue, so the attention reads what it wrote): the same greedy tokens
+    and acceptance with the switch on as off (fp32)."""
     from dspark import LLM
     from dspark.models.llama import DecoderLayer
     from tests.models.test_fused_forward import GREEDY, engine_case
 
     arch, path, taps = model_case
-    prompts, kw = engine_case((arch, path, taps), tmp_path_factory, "fewrow")
+    prompts, kw = engine_case((arch.removesuffix("16"), path, taps), tmp_path_factory, f"fewrow{arch}")
     calls = []
     orig = DecoderLayer.forward_fewrow
     monkeypatch.setattr(DecoderLayer, "forward_fewrow", lambda self, *a, **k: calls.append(1) or orig(self, *a, **k))
+    rope_calls = []
+    orig_rope = fr.qkv_rope_cache
+    monkeypatch.setattr(fr, "qkv_rope_cache", lambda *a, **k: rope_calls.append(1) or orig_rope(*a, **k))
     runs = []
     for on in (False, True):
         llm = LLM(str(path), attention_backend="triton", **kw)
@@ -265,3 +314,4 @@ def test_engine_greedy_tokens_fewrow_on_off(model_case, tmp_path_factory, monkey
         runs.append(([o.token_ids for o in llm.generate(prompts, GREEDY)],
                      (llm.engine.spec_stats.num_drafts, llm.engine.spec_stats.num_accepted)))
     assert runs[0] == runs[1] and runs[0][1][0] > 0 and calls
+    assert bool(rope_calls) == (arch != "llama16")  # the fused RoPE epilogue from head_dim 32 on
