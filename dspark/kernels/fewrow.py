@@ -40,11 +40,11 @@ from torch import Tensor
 
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from dspark.kernels import check_device, next_pow2
 from dspark.kernels.fused_ops import (
     _cache_strides, _launch_opts, _rope, add_rms_norm_reference, cast_rtne, rope_qk_cache, silu_and_mul_reference,
+    silu_mul_rounded,
 )
 
 MAX_ROWS = 16  # one 16-row MMA tile
@@ -211,13 +211,7 @@ def _epilogue(acc, acc_u, rows, rm, n, nm, y_ptr, stride_y, pin_ptr, n_pin, eps,
         acc_u = acc_u * inv
     out = cast_rtne(acc, dt)  # the product's output in the dtype
     if GATE_UP:  # fused_ops.silu_and_mul's roundings on the rounded gate and up
-        gf = out.to(tl.float32)
-        u = cast_rtne(acc_u, dt).to(tl.float32)
-        if PRECISE:
-            sg = tl.math.div_rn(gf, 1.0 + libdevice.exp(-gf))
-        else:
-            sg = gf / (1.0 + tl.exp(-gf))
-        out = cast_rtne(cast_rtne(sg, dt).to(tl.float32) * u, dt)
+        out = silu_mul_rounded(out, cast_rtne(acc_u, dt), dt, PRECISE)
     om = rm[:, None] & nm[None, :]
     if RESID:  # s = product + residual (the eager add in the dtype), its sums of squares, z = g * s
         r = tl.load(r_ptr + rows[:, None] * stride_r + n[None, :], mask=om, other=0.0)

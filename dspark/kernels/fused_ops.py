@@ -365,15 +365,21 @@ def _silu_mul_kernel(x_ptr, stride_x, out_ptr, stride_o, I, PRECISE: tl.constexp
     m = i < I
     g = tl.load(x_ptr + row * stride_x + i, mask=m, other=0.0)
     u = tl.load(x_ptr + row * stride_x + I + i, mask=m, other=0.0)
+    out = silu_mul_rounded(g, u, g.dtype, PRECISE)
+    tl.store(out_ptr + row * stride_o + i, cast_rtne(out.to(tl.float32), out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def silu_mul_rounded(g, u, dt: tl.constexpr, PRECISE: tl.constexpr):
+    """silu(g) * u for g and u holding values of the dtype ``dt``, with the eager roundings: F.silu in fp32
+    (torch's CUDA kernel: expf and an IEEE division; PRECISE on the GPU), rounded to dt, times u, rounded
+    to dt. Shared by silu_and_mul and the SwiGLU epilogues of kernels/gemv.py and kernels/fewrow.py."""
     gf = g.to(tl.float32)
-    # F.silu: x / (1 + exp(-x)) in fp32 (torch's CUDA kernel: expf and an IEEE division), rounded to the dtype
     if PRECISE:
         s = tl.math.div_rn(gf, 1.0 + libdevice.exp(-gf))
     else:
         s = gf / (1.0 + tl.exp(-gf))
-    s = cast_rtne(s, g.dtype)
-    tl.store(out_ptr + row * stride_o + i, cast_rtne(s.to(tl.float32) * u.to(tl.float32), out_ptr.dtype.element_ty),
-             mask=m)
+    return cast_rtne(cast_rtne(s, dt).to(tl.float32) * u.to(tl.float32), dt)
 
 
 def silu_and_mul(gate_up: Tensor) -> Tensor:

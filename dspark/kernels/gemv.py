@@ -37,7 +37,8 @@ lost too (docs/benchmarks.md, sessions 21, 32 and 33): tensor cores with the who
 the partial-product tile again (32), the RMSNorm's sums of squares inside a tensor-core K loop with ``1/rms``
 applied to the finished products (33: 36-41 µs per layer; the plain tensor-core product alone matches cuBLAS,
 any work between a tile's load and its MMA does not), and the gate|up product with SwiGLU in its epilogue
-(33: faster in isolation, no gain in the engine's verification graph).
+(33: faster in isolation, no gain in the engine's verification graph). What did win for 2-16 rows
+(session 35) applies the norm *after* the product: kernels/fewrow.py.
 
 The weight may be input-major ``[K, N]`` (the default Linear layout) or a transposed view of an
 output-major copy (any strides). With the norm prologue every program first computes the rows' sums
@@ -63,10 +64,11 @@ from torch import Tensor
 
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from dspark.kernels import check_device, next_pow2
-from dspark.kernels.fused_ops import _launch_opts, add_rms_norm_reference, cast_rtne, silu_and_mul_reference
+from dspark.kernels.fused_ops import (
+    _launch_opts, add_rms_norm_reference, cast_rtne, silu_and_mul_reference, silu_mul_rounded,
+)
 
 MAX_ROWS = 16  # the row loop is unrolled: more rows belong to a GEMM
 TARGET_PROGRAMS = 128  # about the SM count (H200: 132): programs wanted along N
@@ -141,14 +143,8 @@ def _gemv_kernel(
     if HAS_BIAS:
         acc = acc + tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
     out = cast_rtne(acc, dt)  # the product's output dtype
-    if GATE_UP:  # fused_ops._silu_mul_kernel's epilogue on the rounded gate and up
-        gf = out.to(tl.float32)
-        u = cast_rtne(acc_u, dt).to(tl.float32)
-        if PRECISE:
-            sg = tl.math.div_rn(gf, 1.0 + libdevice.exp(-gf))
-        else:
-            sg = gf / (1.0 + tl.exp(-gf))
-        out = cast_rtne(cast_rtne(sg, dt).to(tl.float32) * u, dt)
+    if GATE_UP:  # fused_ops.silu_and_mul's roundings on the rounded gate and up
+        out = silu_mul_rounded(out, cast_rtne(acc_u, dt), dt, PRECISE)
     tl.store(y_ptr + rows[:, None] * stride_y + n[None, :], out, mask=rm[:, None] & nm[None, :])
 
 

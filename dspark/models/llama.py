@@ -59,10 +59,11 @@ SMALL_M_GEMV = {"1": True, "0": False}.get(os.environ.get("DSPARK_SMALL_M_GEMV",
 GEMV_MAX_ROWS = int(os.environ.get("DSPARK_GEMV_MAX_ROWS", "1"))
 # Steps of 2-16 rows (a batch-1 or -2 verification block, decode at batch 2-16) on kernels/fewrow.py:
 # tensor-core products with the residual adds, RMSNorms and SwiGLU in their epilogues (6 launches per
-# layer instead of 9; DecoderLayer.forward_fewrow). DSPARK_FEWROW=1 on everywhere, =0 off; unset, on for
-# CUDA tensors only (CPU tests turn it on explicitly). Measured on the H200 (session 35,
-# benchmarks/fewrow_chain_bench.py, 30 layers of random SmolLM2-shaped weights from HBM, 8 rows): a
-# layer's products with their norms and SwiGLU 17.7 µs against 22.7 on cuBLAS + the fused_ops kernels.
+# layer instead of 9, with RoPE + the K/V write in the qkv epilogue 5; DecoderLayer.forward_fewrow).
+# DSPARK_FEWROW=1 on everywhere, =0 off; unset, on for CUDA tensors only (CPU tests turn it on explicitly).
+# Measured on the H200 (session 35, docs/benchmarks.md): a layer's products with their norms and SwiGLU
+# 17.7 µs against 22.7 on cuBLAS + the fused_ops kernels (benchmarks/fewrow_chain_bench.py, 30 layers of
+# random SmolLM2-shaped weights from HBM, 8 rows); the batch-1 verification graph 0.85 ms against 0.99.
 FEWROW = {"1": True, "0": False}.get(os.environ.get("DSPARK_FEWROW", ""))  # None: CUDA only
 # With SMALL_M_GEMV, o_proj and down_proj on gemv.linear_small_m too (no launch saved there, only a
 # different kernel than cuBLAS's); DSPARK_SMALL_M_GEMV_PLAIN=0 keeps cuBLAS for those two.
