@@ -3,12 +3,15 @@ kernels/fewrow.py (tensor-core products with the norms and SwiGLU in their epilo
 
 Random SmolLM2-shaped bf16 weights, a distinct set per layer (30 layers: ~200 MB, streamed from HBM as in
 the model, unlike a microbenchmark that replays one weight from L2); attention is left out (the same
-kernels in both). Each chain is captured as one CUDA graph and replayed.
+kernels in both), RoPE + the K/V cache write are in (rope_qk_cache after the qkv GEMM; the few-row chain
+does them in its qkv epilogue, as DecoderLayer.forward_fewrow). Each chain is captured as one CUDA graph
+and replayed.
 
-    python3 benchmarks/fewrow_chain_bench.py OUT.json [--rows 2,8,16] [--sweep]
+    python3 benchmarks/fewrow_chain_bench.py OUT.json [--rows 2,8,16] [--sweep [--kinds qkvr,o,gu,d]]
 
 --sweep: each product alone (a graph of 30 launches over the 30 layers' weights) over block_n / block_k /
-stages / warps, against cuBLAS; the chains then use each product's best setting as well as the defaults.
+split-K / stages / warps, against cuBLAS (qkvr: against cuBLAS + rope_qk_cache); the chains then use each
+product's best setting as well as the defaults.
 """
 
 from __future__ import annotations
@@ -22,9 +25,37 @@ import time
 import torch
 
 from dspark.kernels import fewrow as fr
-from dspark.kernels.fused_ops import add_rms_norm, silu_and_mul
+from dspark.kernels.fused_ops import add_rms_norm, rope_qk_cache, silu_and_mul
+from dspark.layers.basic import RotaryEmbedding
 
 H, Q, I, L, EPS = 576, 960, 1536, 30, 1e-5
+HQ, HKV, D = 9, 3, 64
+_ROPE = {}
+
+
+def rope_args(M: int):
+    """Positions 1,000.. of M rows, SmolLM2's RoPE tables, one paged K/V cache (every layer writes the
+    same slots: the cost is the same)."""
+    if M not in _ROPE:
+        rope = RotaryEmbedding(D, 100000.0, 2048)
+        cos, sin = rope.cos.cuda(), rope.sin_signed.cuda()
+        kc = torch.zeros(64, 16, HKV, D, device="cuda", dtype=torch.bfloat16)
+        vc = torch.zeros_like(kc)
+        pos = torch.arange(1000, 1000 + M, device="cuda")
+        _ROPE[M] = (pos, cos, sin, kc, vc, torch.arange(M, device="cuda"))
+    return _ROPE[M]
+
+
+def gemm_qkv_rope(x, w):
+    pos, cos, sin, kc, vc, slots = rope_args(x.shape[0])
+    q, k, v = torch.matmul(x, w).split([HQ * D, HKV * D, HKV * D], dim=-1)
+    T = x.shape[0]
+    return rope_qk_cache(q.view(T, HQ, D), k.view(T, HKV, D), v.view(T, HKV, D), pos, cos, sin, kc, vc, slots)[0]
+
+
+def fewrow_qkv_rope(x, w, ss, **cfg):
+    pos, cos, sin, kc, vc, slots = rope_args(x.shape[0])
+    return fr.qkv_rope_cache(x, w, ss, EPS, pos, cos, sin, kc, vc, slots, HQ, HKV, **cfg)
 
 
 def graph_us(fn, reps: int = 200) -> float:
@@ -62,7 +93,7 @@ def make_layers(output_major: bool):
 def chain_gemm(layers, h0, attn):
     x, res = add_rms_norm(h0, None, layers[0]["g1"], EPS)
     for i, p in enumerate(layers):
-        torch.matmul(x, p["qkv"])
+        gemm_qkv_rope(x, p["qkv"])
         o = torch.matmul(attn, p["o"])
         x2, res = add_rms_norm(o, res, p["g2"], EPS)
         act = silu_and_mul(torch.matmul(x2, p["gu"]))
@@ -76,7 +107,7 @@ def chain_fewrow(layers, h0, attn, cfg):
     x, h = add_rms_norm(h0, None, layers[0]["g1"], EPS)
     ss = None
     for i, p in enumerate(layers):
-        fr.linear(x, p["qkv"], ss, EPS, **cfg.get("qkv", {}))
+        fewrow_qkv_rope(x, p["qkv"], ss, **cfg.get("qkvr", {}))
         s1, z1, p1 = fr.linear_residual(attn, p["o"], h, p["g2"], **cfg.get("o", {}))
         act = fr.gate_up_silu(z1, p["gu"], p1, EPS, **cfg.get("gu", {}))
         g = layers[i + 1]["g1"] if i + 1 < L else layers[0]["g1"]
@@ -84,7 +115,7 @@ def chain_fewrow(layers, h0, attn, cfg):
     return x, h
 
 
-def sweep(layers, M):
+def sweep(layers, M, only=None):
     """Each product alone, 30 launches over the 30 layers' weights."""
     a_h = torch.randn(M, H, device="cuda", dtype=torch.bfloat16)
     a_i = torch.randn(M, I, device="cuda", dtype=torch.bfloat16)
@@ -92,8 +123,8 @@ def sweep(layers, M):
     res = torch.randn(M, H, device="cuda", dtype=torch.bfloat16)
     g = layers[0]["g1"]
     kinds = {
-        "qkv": (lambda cfg: [fr.linear(a_h, p["qkv"], ss, EPS, **cfg) for p in layers],
-                lambda: [torch.matmul(a_h, p["qkv"]) for p in layers]),
+        "qkvr": (lambda cfg: [fewrow_qkv_rope(a_h, p["qkv"], ss, **cfg) for p in layers],
+                 lambda: [gemm_qkv_rope(a_h, p["qkv"]) for p in layers]),
         "o": (lambda cfg: [fr.linear_residual(a_h, p["o"], res, g, **cfg) for p in layers],
               lambda: [torch.matmul(a_h, p["o"]) for p in layers]),
         "gu": (lambda cfg: [fr.gate_up_silu(a_h, p["gu"], ss, EPS, **cfg) for p in layers],
@@ -103,24 +134,29 @@ def sweep(layers, M):
     }
     out, best = {}, {}
     for kind, (fn, cublas) in kinds.items():
+        if only and kind not in only:
+            continue
         rows = {"cublas": graph_us(cublas) / L}
         seen = set()
-        for bn, bk, sp, st in itertools.product((16, 32), (64, 128, 256), (1, 2, 3, 4, 6), (3, 6)):
-            K = I if kind == "d" else H
-            cfg = dict(block_n=bn, block_k=bk, split=sp, num_stages=st)
-            key = tuple(sorted(fr.fewrow_config(K, {"qkv": Q, "o": H, "gu": I, "d": H}[kind], **cfg).items()))
+        K, N = (I if kind == "d" else H), {"qkvr": Q, "o": H, "gu": I, "d": H}[kind]
+        block_ns = (32,) if kind == "qkvr" else (16, 32, 64) if kind == "gu" else (16, 32)
+        for bn, bk, sp, st, nw in itertools.product(block_ns, (32, 64, 128, 256), (1, 2, 3, 4, 6), (3, 6), (4, 8)):
+            if (bk == 32 or nw == 8) and kind not in ("gu", "qkvr"):
+                continue  # the first sweep's space (session 35) for the products it settled
+            cfg = dict(block_n=bn, block_k=bk, split=sp, num_stages=st, num_warps=nw)
+            key = tuple(sorted(fr.fewrow_config(K, N, **cfg).items()))
             if key in seen:
                 continue
             seen.add(key)
-            name = f"bn{bn}_bk{bk}_sp{sp}_st{st}"
+            name = f"bn{bn}_bk{bk}_sp{sp}_st{st}_w{nw}"
             try:
                 rows[name] = graph_us(lambda: fn(cfg), reps=100) / L
             except Exception as e:  # out of shared memory etc.
                 rows[name] = repr(e)[:80]
         timed = {k: v for k, v in rows.items() if k != "cublas" and isinstance(v, float)}
         k_best = min(timed, key=timed.get)
-        bn, bk, sp, st = (int(x[2:]) for x in k_best.split("_"))
-        best[kind] = dict(block_n=bn, block_k=bk, split=sp, num_stages=st)
+        bn, bk, sp, st, nw = (int(x.lstrip("bnkspstw")) for x in k_best.split("_"))
+        best[kind] = dict(block_n=bn, block_k=bk, split=sp, num_stages=st, num_warps=nw)
         out[kind] = rows
         print(f"M={M} {kind}: cublas {rows['cublas']:.2f} us, default "
               f"{graph_us(lambda: fn({}), reps=100) / L:.2f}, best {k_best} {timed[k_best]:.2f}", flush=True)
@@ -133,6 +169,7 @@ def main() -> None:
     ap.add_argument("--rows", default="2,8,16")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--output-major", type=int, default=1)
+    ap.add_argument("--kinds", default="", help="sweep only these products (qkvr,o,gu,d)")
     args = ap.parse_args()
     torch.manual_seed(0)
     layers = make_layers(bool(args.output_major))
@@ -143,7 +180,7 @@ def main() -> None:
         attn = torch.randn(M, H, device="cuda", dtype=torch.bfloat16)
         r = {}
         if args.sweep and j == 0:  # the first row count's best settings serve the others
-            r["sweep"], best = sweep(layers, M)
+            r["sweep"], best = sweep(layers, M, [k for k in args.kinds.split(",") if k])
         xa, ha = chain_gemm(layers, h0, attn)
         xb, hb = chain_fewrow(layers, h0, attn, {})
         r["max_abs_diff_h"] = (ha.float() - hb.float()).abs().max().item()
