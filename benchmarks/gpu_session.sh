@@ -11,7 +11,9 @@
 #   correctness: `dspark bench correctness` (spec vs no spec vs HF, greedy, 64 prompts x 128 tokens);
 #   bench: `dspark bench`, the side-by-side matrix (HF static+compiled, dspark, dspark + DSpark), once per
 #          '|'-separated set of options in BENCH_ARGS;
-#   cprofile: where continuous batching's time goes, plain vs DSpark (benchmarks/gpu_continuous_profile.py).
+#   cprofile: where continuous batching's time goes, plain vs DSpark (benchmarks/gpu_continuous_profile.py);
+#   fewrow: the few-row decoder-layer chains and their kernels' launch sweep (benchmarks/fewrow_chain_bench.py,
+#           FEWROW_ARGS, default: 8/2/16 rows, the qkv+RoPE and gate|up kernels swept).
 # STEPS picks and orders them; BACKEND (default triton) is the attention backend of the dspark runs.
 set -uo pipefail
 bash benchmarks/gguf_pieces.sh  # joins the GGUF from the pieces carried so far
@@ -55,6 +57,10 @@ for step in $STEPS; do
     timeout ${CPROF_S:-300} python3 benchmarks/gpu_continuous_profile.py "$OUT/cprofile" \
       --prompt-source /tmp/sharegpt_prompts.json.gz ${CPROF_ARGS:-} > "$OUT/cprofile.log" 2>&1
     echo "cprofile rc=$?"; grep -E '^(plain|dspark)|"(tok_s|calls|ms_per_call|tau)"|"(execute|launch|readback)' "$OUT/cprofile.log" | head -60 ;;
+  fewrow)
+    timeout ${FEWROW_S:-300} python3 benchmarks/fewrow_chain_bench.py "$OUT/fewrow.json" \
+      ${FEWROW_ARGS:---rows 8,2,16 --sweep --kinds qkvr,gu} > "$OUT/fewrow.log" 2>&1
+    echo "fewrow rc=$?"; grep -v Warning "$OUT/fewrow.log" | tail -n 12 ;;
   kernels)  # KERNELS: which benchmarks (default attention ops rejection); KERNEL_ARGS: options for each
     for k in ${KERNELS:-attention ops rejection}; do
       [ -f benchmarks/kernel_${k}_bench.py ] || continue
