@@ -7,6 +7,8 @@ A proposer keeps whatever context it needs from committed target rows (``write_c
 
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -51,6 +53,10 @@ class DSparkProposer:
         # True (the engine's attention backend is "triton"): draft with the Triton kernels (context
         # K/V store, shared-tile block attention, fused Markov sampler); False: the PyTorch path below.
         self.use_triton = use_triton
+        # With use_triton: block passes of up to 16 rows (batch 1-2 x block 7) on kernels/fewrow.py, as the
+        # target's verification (DecoderLayer.forward_fewrow): 3 launches fewer per drafter layer. Off until
+        # measured on the GPU (predicted: ~-10 µs of a 0.19 ms batch-1 drafter step); DSPARK_FEWROW_DRAFTER=1.
+        self.fewrow = os.environ.get("DSPARK_FEWROW_DRAFTER") == "1"
         c = drafter.config
         self.num_slots = c.block_size
         self.tap_layers = c.target_layer_ids
@@ -170,7 +176,11 @@ class DSparkProposer:
         layer's attention is drafter_attention straight over the paged context cache (no gather, no
         mask), the residual adds are fused into the next RMSNorm (add_rms_norm, as the target's
         forward_fused), q/k norm + RoPE is one kernel (rope_qk), SwiGLU one (silu_and_mul). Per layer:
-        4 GEMMs + 5 kernels; the same roundings as the PyTorch path (the kernels' tests check them)."""
+        4 GEMMs + 5 kernels; the same roundings as the PyTorch path (the kernels' tests check them).
+        With ``fewrow`` and at most 16 rows: kernels/fewrow.py's products (norms after the product, SwiGLU
+        and the residual adds in their epilogues), 4 products + 2 kernels per layer; the norms round
+        differently (see kernels/fewrow.py), so drafts match the other path up to near-ties."""
+        from dspark.kernels import fewrow
         from dspark.kernels.drafter_attention import drafter_attention
         from dspark.kernels.fused_ops import add_rms_norm, rope_qk, silu_and_mul
 
@@ -182,9 +192,16 @@ class DSparkProposer:
         pos = (anchor_pos[:, None] + torch.arange(G, device=anchors.device)[None, :]).reshape(-1)
         norm = d.layers[0].input_layernorm if len(d.layers) else d.norm
         x, h = add_rms_norm(h, None, norm.weight, norm.eps)
+        few = self.fewrow and B * G <= fewrow.MAX_ROWS and all(
+            lin.bias is None and not lin.batch_invariant for layer in d.layers
+            for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj))
+        sumsq = None  # few: the sums of squares behind x (None: x is normed already)
         for l, layer in enumerate(d.layers):  # DrafterLayer.forward, attention swapped
             qs, ks = layer.q_size, layer.kv_size
-            qkv = layer.qkv_proj(x)
+            if few:
+                qkv = fewrow.linear(x, layer.qkv_proj.weight_t, sumsq, layer.input_layernorm.eps)
+            else:
+                qkv = layer.qkv_proj(x)
             qn, kn = layer.q_norm, layer.k_norm
             q, k = rope_qk(qkv[:, :qs].view(B * G, layer.num_heads, layer.head_dim),
                            qkv[:, qs:qs + ks].view(B * G, layer.num_kv_heads, layer.head_dim), pos,
@@ -195,8 +212,16 @@ class DSparkProposer:
                                   k.view(B, G, layer.num_kv_heads, layer.head_dim), v, self.kv[l, 0], self.kv[l, 1],
                                   block_tables, anchor_pos, layer.head_dim**-0.5, max_ctx_len=max_ctx_len)
             post = layer.post_attention_layernorm
-            x, h = add_rms_norm(layer.o_proj(o.view(B * G, qs)), h, post.weight, post.eps)
             norm = d.layers[l + 1].input_layernorm if l + 1 < len(d.layers) else d.norm
+            if few:  # the norms after the products, SwiGLU in gate|up's epilogue (kernels/fewrow.py)
+                s1, z1, sumsq1 = fewrow.linear_residual(o.view(B * G, qs), layer.o_proj.weight_t, h, post.weight)
+                act = fewrow.gate_up_silu(z1, layer.gate_up_proj.weight_t, sumsq1, post.eps)
+                last = l + 1 == len(d.layers)
+                h, x, sumsq = fewrow.linear_residual(act, layer.down_proj.weight_t, s1, None if last else norm.weight)
+                if last:
+                    x = add_rms_norm(h, None, d.norm.weight, d.norm.eps)[0]
+                continue
+            x, h = add_rms_norm(layer.o_proj(o.view(B * G, qs)), h, post.weight, post.eps)
             x, h = add_rms_norm(layer.down_proj(silu_and_mul(layer.gate_up_proj(x))), h, norm.weight, norm.eps)
         return x
 

@@ -121,6 +121,38 @@ def test_proposals_match_pytorch_path(name, proposer):
     torch.testing.assert_close(got.confidence, want.confidence, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("name", ["greedy-b1", "sampled-t1-b3"])
+def test_fewrow_block_pass_matches_pytorch_path(name, proposer, monkeypatch):
+    """DSPARK_FEWROW_DRAFTER's block pass (kernels/fewrow.py, at most 16 rows: 5 and 15 here) drafts what
+    the PyTorch path drafts (fp32: the norms' other rounding order is ~1e-7)."""
+    from dspark.kernels import fewrow
+
+    calls = []
+    orig = fewrow.gate_up_silu
+    monkeypatch.setattr(fewrow, "gate_up_silu", lambda *a, **k: calls.append(1) or orig(*a, **k))
+    ctx_lens, params, N = CASES[name]
+    taps, pos, slots, tables = _context(proposer, ctx_lens, seed=len(name))
+    _write(proposer, False, taps, pos, slots)
+    V = proposer.drafter.config.vocab_size
+    B = len(ctx_lens)
+    anchors = torch.randint(4, V, (B,), generator=torch.Generator().manual_seed(5))
+    prob = [not p.greedy for p in params]
+    batch = SamplingBatch.build(params, [p.seed or 0 for p in params], [c + 1 for c in ctx_lens],
+                                [[1]] * B, [[]] * B, V, "cpu")
+    args = ([None] * B, anchors, torch.tensor(ctx_lens), tables, N, batch, prob)
+    want = _propose(proposer, False, *args)
+    proposer.fewrow = True
+    try:
+        got = _propose(proposer, True, *args)
+    finally:
+        proposer.fewrow = False
+    assert len(calls) == proposer.drafter.config.num_hidden_layers
+    assert torch.equal(got.tokens, want.tokens), (got.tokens, want.tokens)
+    if any(prob):
+        torch.testing.assert_close(got.probs, want.probs, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(got.confidence, want.confidence, atol=1e-5, rtol=1e-4)
+
+
 def test_engine_triton_backend_matches_torch_and_no_speculation(target, drafter):
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(4, 512, (n,), generator=g).tolist() for n in (5, 14, 9)]
