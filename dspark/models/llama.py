@@ -321,14 +321,13 @@ class LlamaForCausalLM(nn.Module):
             raise TypeError(f"LlamaForCausalLM.fused needs the Triton attention backend (it writes K/V in its own "
                             f"RoPE kernel and calls TritonAttentionBackend.attend), got {type(backend).__name__}; "
                             "set fused = False for other backends")
+        from dspark.kernels import fewrow
         from dspark.kernels.fused_ops import add_rms_norm
 
         taps: dict[int, torch.Tensor] = {}
-        on = input_ids.is_cuda if self.small_m_gemv is None else self.small_m_gemv
-        gemv = on and input_ids.shape[0] <= self.gemv_max_rows
-        from dspark.kernels import fewrow
-
         T = input_ids.shape[0]
+        on = input_ids.is_cuda if self.small_m_gemv is None else self.small_m_gemv
+        gemv = on and T <= self.gemv_max_rows
         few = (input_ids.is_cuda if self.fewrow is None else self.fewrow) and T <= fewrow.MAX_ROWS
         if gemv and all(layer.gemv_ready() for layer in self.layers):
             x, residual = self.embed_tokens(input_ids), None  # layer 0 norms the embeddings in its qkv GEMV
