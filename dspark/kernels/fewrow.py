@@ -17,12 +17,14 @@ its finished products by ``1 / rms`` from those sums. The sums are written per p
 fp32) and summed in a fixed order by the consumer: no atomics, so results do not depend on scheduling.
 A layer (the first layer's qkv takes the already normed embeddings):
 
-    qkv = linear(z_in, W_qkv, sumsq_in)          -> RoPE + K/V write -> attention
+    q = qkv_rope_cache(z_in, W_qkv, sumsq_in, ...)   (q/k norm, RoPE, K/V cache write)  -> attention
     s1, z1, p1 = linear_residual(o, W_o, h_in, g_post)
     act = gate_up_silu(z1, W_gate_up, p1)
     h_out, z2, p2 = linear_residual(act, W_down, s1, g_next_input)   (h_out: the layer's output, a tap)
 
-6 launches per layer (7 with an attention key split) against the GEMM path's 9 (10).
+5 launches per layer (6 with an attention key split) against the GEMM path's 9 (10); ``linear`` is the
+qkv product without the RoPE epilogue (a head_dim under 32; the drafter's block pass). down_proj
+(K = 1,536) runs split-K: see _fewrow_kernel.
 
 Rounding: the residual add, the products' outputs and SwiGLU round as fused_ops does (the product
 rounded to the dtype, the add in the dtype, silu in fp32 then rounded). The norm rounds differently from
