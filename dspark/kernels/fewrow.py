@@ -400,6 +400,16 @@ def linear_residual(x: Tensor, w_t: Tensor, residual: Tensor, norm_weight: Tenso
     return s, z, SumSq(partials, N)
 
 
+def o_proj_and_mlp(o: Tensor, w_o: Tensor, h: Tensor, post_norm: Tensor, post_eps: float, w_gate_up: Tensor,
+                   w_down: Tensor, next_norm: Tensor | None) -> tuple[Tensor, Tensor | None, SumSq]:
+    """A decoder layer after its attention, in three launches: o_proj + the residual add (and the
+    post-attention norm's z and sums), gate|up normed + SwiGLU, down_proj + the residual add. Returns
+    ``(h_out, z, sumsq)`` as linear_residual does for down_proj (z = next_norm * h_out, None without)."""
+    s1, z1, sumsq1 = linear_residual(o, w_o, h, post_norm)
+    act = gate_up_silu(z1, w_gate_up, sumsq1, post_eps)
+    return linear_residual(act, w_down, s1, next_norm)
+
+
 def qkv_rope_cache(x: Tensor, w_t: Tensor, sumsq: SumSq | None, eps: float, positions: Tensor, cos: Tensor,
                    sin_signed: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor, num_heads: int,
                    num_kv_heads: int, q_norm: Tensor | None = None, k_norm: Tensor | None = None,
@@ -480,6 +490,6 @@ def linear_residual_reference(x: Tensor, w_t: Tensor, residual: Tensor) -> Tenso
 
 
 __all__ = [
-    "MAX_ROWS", "SumSq", "fewrow_config", "gate_up_silu", "gate_up_silu_reference", "linear", "linear_reference",
+    "MAX_ROWS", "SumSq", "fewrow_config", "gate_up_silu", "o_proj_and_mlp", "gate_up_silu_reference", "linear", "linear_reference",
     "linear_residual", "linear_residual_reference", "norm_input", "qkv_rope_cache", "qkv_rope_cache_reference",
 ]

@@ -206,9 +206,8 @@ class DecoderLayer(nn.Module):
             o = backend.attend(q, kv[0], kv[1], meta, a.scale)
         o = o.reshape(T, a.q_size)
         post = self.post_attention_layernorm
-        s1, z1, sumsq1 = fewrow.linear_residual(o, _gemv_w(a.o_proj), h, post.weight)
-        act = fewrow.gate_up_silu(z1, _gemv_w(mlp.gate_up_proj), sumsq1, post.eps)
-        h, z, sumsq = fewrow.linear_residual(act, _gemv_w(mlp.down_proj), s1, next_norm)
+        h, z, sumsq = fewrow.o_proj_and_mlp(o, _gemv_w(a.o_proj), h, post.weight, post.eps,
+                                            _gemv_w(mlp.gate_up_proj), _gemv_w(mlp.down_proj), next_norm)
         return z, h, sumsq
 
     def fewrow_ready(self) -> bool:

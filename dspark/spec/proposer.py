@@ -214,10 +214,10 @@ class DSparkProposer:
             post = layer.post_attention_layernorm
             norm = d.layers[l + 1].input_layernorm if l + 1 < len(d.layers) else d.norm
             if few:  # the norms after the products, SwiGLU in gate|up's epilogue (kernels/fewrow.py)
-                s1, z1, sumsq1 = fewrow.linear_residual(o.view(B * G, qs), layer.o_proj.weight_t, h, post.weight)
-                act = fewrow.gate_up_silu(z1, layer.gate_up_proj.weight_t, sumsq1, post.eps)
                 last = l + 1 == len(d.layers)
-                h, x, sumsq = fewrow.linear_residual(act, layer.down_proj.weight_t, s1, None if last else norm.weight)
+                h, x, sumsq = fewrow.o_proj_and_mlp(o.view(B * G, qs), layer.o_proj.weight_t, h, post.weight, post.eps,
+                                                    layer.gate_up_proj.weight_t, layer.down_proj.weight_t,
+                                                    None if last else norm.weight)
                 if last:
                     x = add_rms_norm(h, None, d.norm.weight, d.norm.eps)[0]
                 continue
