@@ -23,7 +23,7 @@ call, rows, verification rows, prefill tokens.
 
 Usage (GPU; the real model needs the GGUF, DSPARK_SMOLLM2_GGUF or the embedded default):
     python benchmarks/gpu_continuous_profile.py OUT_DIR [--prompt-source FILE] [--batch 32] [--prompts 128]
-        [--temperature T] [--systems plain,dspark] [--cprofile N] [--torch-trace P]
+        [--temperature T] [--systems plain,dspark] [--cprofile N] [--torch-trace P] [--stop-at-eos]
 Writes OUT_DIR/continuous_profile.json and prints a summary.
 """
 
@@ -143,7 +143,7 @@ def profile_system(llm: LLM, prompts: list[list[int]], batch: int, max_tokens: i
 
         setattr(obj, name, wrapped)
     try:
-        p = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True)
+        p = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=IGNORE_EOS)
         gc.collect()
         _sync()
         prof = cProfile.Profile() if cprofile else None
@@ -185,6 +185,7 @@ def profile_system(llm: LLM, prompts: list[list[int]], batch: int, max_tokens: i
 
 
 MAX_MODEL_LEN = 2048
+IGNORE_EOS = True  # --stop-at-eos: False (requests end at the EOS, as `dspark bench --stop-at-eos`)
 _OUTPUTS: dict = {}  # (id(llm), sync) -> token ids per prompt, for the cross-system agreement count
 
 
@@ -199,7 +200,7 @@ def torch_trace(llm: LLM, prompts: list[list[int]], max_tokens: int, temperature
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    p = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True)
+    p = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=IGNORE_EOS)
     gc.collect()
     _sync()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -266,7 +267,12 @@ def main() -> None:
     ap.add_argument("--verify-length", type=int, default=0, metavar="N",
                     help="with verify_lengths in --speculative-config: switch the adaptive policy off and verify "
                          "N drafts in every step (one of the engine's graph sets)")
+    ap.add_argument("--stop-at-eos", action="store_true",
+                    help="requests end at the EOS (or max tokens), as `dspark bench --stop-at-eos`: the per-request "
+                         "costs (admission, the step launched past a request's end) weigh as in that bench")
     a = ap.parse_args()
+    global IGNORE_EOS
+    IGNORE_EOS = not a.stop_at_eos
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     from dspark.train.data import heldout_prompts
@@ -301,7 +307,7 @@ def main() -> None:
         # one of 2,100 tokens); the same for every system (one tokenizer)
         prompts = [x for x in (llm.engine.tokenize_chat([{"role": "user", "content": t}]) for t in texts)
                    if len(x) + a.max_tokens <= MAX_MODEL_LEN][:a.prompts]
-        llm.generate(prompts, SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens, ignore_eos=True))  # warm-up
+        llm.generate(prompts, SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens, ignore_eos=IGNORE_EOS))  # warm-up
         gc.collect()
         gc.freeze()  # the engine out of the collector's sight while it runs, as dspark bench / serve do
         row = {"async": profile_system(llm, prompts, a.batch, a.max_tokens, sync=False, temperature=a.temperature),

@@ -262,6 +262,19 @@ def fewrow_config(K: int, N: int, tiles: int = 1, block_n: int | None = None, bl
     return dict(BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=stages, num_warps=nw, SPLIT=sp, K_PER=per * bk, TILES=tiles)
 
 
+def qkv_rope_config(K: int, N: int, D: int, **config) -> dict:
+    """qkv_rope_cache's launch configuration: fewrow_config with BLOCK_N half a head (always) and two
+    weight tiles per program (a half-head and its partner). Those tiles give few programs (SmolLM2: 30),
+    so for K of at most 9 K steps of 64 (not fewrow_config's long K) split-K 3 and 6 stages: 4.25 against
+    4.50 µs per launch at 8 rows (H200, session 36, fewrow_chain_bench.py --sweep --kinds qkvr; split-K
+    did not help linear's K = 576 products, which have 36-60 tiles). The env overrides still apply."""
+    config.pop("block_n", None)
+    if K <= 9 * 64:
+        config.setdefault("split", _env_int("DSPARK_FEWROW_SPLIT") or 3)
+        config.setdefault("num_stages", _env_int("DSPARK_FEWROW_STAGES") or 6)
+    return fewrow_config(K, N, 2, block_n=D // 2, **config)
+
+
 class Workspace:
     """Split-K scratch of one device: fp32 partial tiles and the per-tile arrival counters (zero between
     launches: each launch's last arrivals reset theirs). Kernels on one stream share it; it grows only
@@ -442,8 +455,7 @@ def qkv_rope_cache(x: Tensor, w_t: Tensor, sumsq: SumSq | None, eps: float, posi
     sin_signed = sin_signed.to(cos.dtype)
     if sin_signed.stride() != cos.stride():
         sin_signed, cos = sin_signed.contiguous(), cos.contiguous()
-    config.pop("block_n", None)  # half a head, always
-    cfg = fewrow_config(K, N, 2, block_n=D // 2, **config)
+    cfg = qkv_rope_config(K, N, D, **config)
     q = torch.empty(M, num_heads, D, dtype=x.dtype, device=x.device)
     if M:
         rope = dict(positions=positions, cos=cos, sin=sin_signed, stride_cs=cos.stride(0), q_norm=q_norm,

@@ -54,9 +54,11 @@ class DSparkProposer:
         # K/V store, shared-tile block attention, fused Markov sampler); False: the PyTorch path below.
         self.use_triton = use_triton
         # With use_triton: block passes of up to 16 rows (batch 1-2 x block 7) on kernels/fewrow.py, as the
-        # target's verification (DecoderLayer.forward_fewrow): 3 launches fewer per drafter layer. Off until
-        # measured on the GPU (predicted: ~-10 µs of a 0.19 ms batch-1 drafter step); DSPARK_FEWROW_DRAFTER=1.
-        self.fewrow = os.environ.get("DSPARK_FEWROW_DRAFTER") == "1"
+        # target's verification (DecoderLayer.forward_fewrow): 3 launches fewer per drafter layer. H200,
+        # session 36 (benchmarks/gpu_graphs_check.py steps): the batch-1 drafter graph 0.2005 -> 0.1934 ms
+        # (sampled drafts 0.2119 -> 0.2044). DSPARK_FEWROW_DRAFTER=1 on everywhere, =0 off; unset (None), on
+        # for CUDA tensors only, as the target's (models/llama.py FEWROW; CPU tests turn it on explicitly).
+        self.fewrow: bool | None = {"1": True, "0": False}.get(os.environ.get("DSPARK_FEWROW_DRAFTER", ""))
         c = drafter.config
         self.num_slots = c.block_size
         self.tap_layers = c.target_layer_ids
@@ -192,7 +194,7 @@ class DSparkProposer:
         pos = (anchor_pos[:, None] + torch.arange(G, device=anchors.device)[None, :]).reshape(-1)
         norm = d.layers[0].input_layernorm if len(d.layers) else d.norm
         x, h = add_rms_norm(h, None, norm.weight, norm.eps)
-        few = self.fewrow and B * G <= fewrow.MAX_ROWS and all(
+        few = (self.fewrow if self.fewrow is not None else anchors.is_cuda) and B * G <= fewrow.MAX_ROWS and all(
             lin.bias is None and not lin.batch_invariant for layer in d.layers
             for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj))
         sumsq = None  # few: the sums of squares behind x (None: x is normed already)

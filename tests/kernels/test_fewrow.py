@@ -179,6 +179,11 @@ def test_default_configs() -> None:
     assert (down["BLOCK_N"], down["BLOCK_K"], down["SPLIT"], down["K_PER"]) == (32, 128, 6, 256)
     odd = fr.fewrow_config(1000, 64, split=7)  # 8 K steps of 128 in 7 slices: 4 slices of 2, none empty
     assert odd["SPLIT"] == 4 and odd["K_PER"] == 256
+    # qkv + RoPE (session 36): half-head tiles in pairs, split-K 3 over 9 K steps of 64, 6 stages
+    assert fr.qkv_rope_config(576, 960, 64) == dict(BLOCK_N=32, BLOCK_K=64, NUM_STAGES=6, num_warps=4, SPLIT=3,
+                                                    K_PER=192, TILES=2)
+    assert fr.qkv_rope_config(576, 960, 64, split=1, block_n=16)["SPLIT"] == 1  # arguments win; BLOCK_N never
+    assert fr.qkv_rope_config(2048, 3072, 128)["BLOCK_N"] == 64  # long K: fewrow_config's rule
     # default configurations run (interpreter: one small case)
     s, nw, w, res = _data(3, 1536, 40, torch.float32, seed=1)
     out, _, _ = fr.linear_residual(s, w, res, None)

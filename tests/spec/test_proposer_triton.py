@@ -123,7 +123,7 @@ def test_proposals_match_pytorch_path(name, proposer):
 
 @pytest.mark.parametrize("name", ["greedy-b1", "sampled-t1-b3"])
 def test_fewrow_block_pass_matches_pytorch_path(name, proposer, monkeypatch):
-    """DSPARK_FEWROW_DRAFTER's block pass (kernels/fewrow.py, at most 16 rows: 5 and 15 here) drafts what
+    """The few-row block pass (DSparkProposer.fewrow, on CUDA by default; kernels/fewrow.py, at most 16 rows: 5 and 15 here) drafts what
     the PyTorch path drafts (fp32: the norms' other rounding order is ~1e-7)."""
     from dspark.kernels import fewrow
 
@@ -140,12 +140,14 @@ def test_fewrow_block_pass_matches_pytorch_path(name, proposer, monkeypatch):
     batch = SamplingBatch.build(params, [p.seed or 0 for p in params], [c + 1 for c in ctx_lens],
                                 [[1]] * B, [[]] * B, V, "cpu")
     args = ([None] * B, anchors, torch.tensor(ctx_lens), tables, N, batch, prob)
+    saved = proposer.fewrow
     want = _propose(proposer, False, *args)
+    assert not calls
     proposer.fewrow = True
     try:
         got = _propose(proposer, True, *args)
     finally:
-        proposer.fewrow = False
+        proposer.fewrow = saved
     assert len(calls) == proposer.drafter.config.num_hidden_layers
     assert torch.equal(got.tokens, want.tokens), (got.tokens, want.tokens)
     if any(prob):
