@@ -177,6 +177,8 @@ class StepGraphs:
         self._token_host = [torch.zeros(Bm * (2 * q), dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._set = 0
         self._use_set(0)
+        # set -> the completion event of a launched step that will not be read back (``hold``)
+        self._held: dict[int, torch.cuda.Event] = {}
         self.input_ids, self.positions, self.slot_mapping = (self.ints[i * Tm:(i + 1) * Tm] for i in range(3))
         (self.anchors, self.anchor_pos, top_k, seeds, self.num_drafts,
          self.num_tokens) = (self.ints[3 * Tm + i * Bm:3 * Tm + (i + 1) * Bm] for i in range(6))
@@ -231,9 +233,23 @@ class StepGraphs:
 
     def flip(self) -> torch.Tensor:
         """Switch to the other set of pinned host buffers (async scheduling: the set of step t - 1,
-        whose copies are done since its tokens were read back) and return that set's token buffer."""
+        whose copies are done since its tokens were read back, or are awaited here if that step was
+        dropped: ``hold``) and return that set's token buffer."""
+        self._settle(self._set ^ 1)
         self._use_set(self._set ^ 1)
         return self._token_host[self._set]
+
+    def hold(self, done: torch.cuda.Event | None) -> None:
+        """The step launched last (its pinned set is the current one) will not be read back: its requests
+        ended (LLMEngine drops it). Instead of waiting for it now, the set's next writer waits for
+        ``done`` (flip, prepare_target), so that the host's next scheduling and launch overlap it."""
+        if done is not None:
+            self._held[self._set] = done
+
+    def _settle(self, k: int) -> None:
+        done = self._held.pop(k, None)
+        if done is not None:
+            done.synchronize()
 
     # ------------------------------------------------------------------ the fixed-shape steps
     def _target_step(self, B: int, bucket: int) -> tuple:
@@ -490,6 +506,7 @@ class StepGraphs:
         """Write the target step's inputs into the pinned host buffers; returns (padded batch, bucket).
         ``num_tokens`` (each request's tokens before the step) is needed by ``drafter_inputs_on_device``;
         ``layout``: row_layout(scheduled), when the caller has it."""
+        self._settle(self._set)  # a synchronous step after a dropped one writes its set without a flip
         q, bs, Tm, Bm = self.q, self.block_size, self.max_rows, self.max_batch
         B = len(scheduled)
         n = np.fromiter((s.num_tokens for s in scheduled), np.int64, B)

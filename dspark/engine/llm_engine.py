@@ -394,7 +394,7 @@ class LLMEngine:
         touched: dict[str, Request] = {}
         self._apply(result, self.scheduler.update_async(sched, result.new_tokens), touched)
         if self._inflight is not None and all(s.request.is_finished for s in self._inflight[0].scheduled):
-            self.runner.finish(self._inflight[1])  # every request of the next step has ended: drop it
+            self.runner.drop(self._inflight[1])  # every request of the next step has ended: drop it
             self._inflight = None
         return self._outputs(touched)
 
@@ -438,7 +438,7 @@ class LLMEngine:
         touched: dict[str, Request] = {}
         self._apply(result, [r for r in reqs if r.request_id in live_ids], touched)
         if self._inflight is not None and all(s.request.is_finished for s in self._inflight[0].scheduled):
-            self.runner.finish_one_sync(self._inflight[1])  # every request of the next step has ended: drop it
+            self.runner.drop(self._inflight[1])  # every request of the next step has ended: drop it
             self._inflight = None
         return self._outputs(touched)
 

@@ -587,6 +587,16 @@ class ModelRunner:
             result.verify_time_s = time.perf_counter() - step.t0
         return result
 
+    def drop(self, step: InflightStep) -> None:
+        """Forget a launched step (one-sync or plain) whose requests have all ended, without waiting for it:
+        the device runs it to no effect (its K/V writes land at uncommitted positions of freed blocks,
+        which are never hashed and which any later owner writes, in stream order after it, before it
+        reads them), and its pinned set waits for it only when written next (StepGraphs.hold). Until
+        session 36 the engine waited for it here, and the host's admission of the next request and that
+        step's launch then ran with the GPU idle (batch 1: once per request)."""
+        if self.graphs is not None:
+            self.graphs.hold(step.done)
+
     def can_launch_spec(self, requests: list[Request]) -> bool:
         """Whether one-sync steps of these requests can be launched on top of each other (async
         scheduling with DSpark): drafter graphs, every request verified on the device (_one_sync_params:

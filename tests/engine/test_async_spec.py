@@ -6,6 +6,7 @@ the fixed-shape graph steps (Triton's interpreter). Apart from tests/engine/test
 from __future__ import annotations
 
 import os
+import types
 
 import pytest
 
@@ -96,3 +97,51 @@ def test_dspark_abort_while_in_flight(spec_pair, prompts, sync_greedy):
     assert seen == {"inflight": True}
     assert final["req-1"].finish_reason == "abort"
     assert final["req-0"].token_ids == ref[tuple(prompts[0])] and final["req-2"].token_ids == ref[tuple(prompts[2])]
+
+
+class _Done:
+    """A stand-in for a dropped step's CUDA event (on the CPU ``done`` is None: nothing to wait for)."""
+
+    def __init__(self) -> None:
+        self.waited = 0
+
+    def synchronize(self) -> None:
+        self.waited += 1
+
+
+def test_dropped_step_is_not_waited_for_until_its_set_is_written(spec_pair, prompts, sync_greedy, monkeypatch):
+    """One request at a time (the batch-1 bench's shape), each ending on a stop token with the next block
+    already launched: the engine drops that block without reading it back (ModelRunner.drop) and admits
+    the next request at once; the dropped block's pinned set is waited for only by its next writer
+    (StepGraphs.hold: flip into it, or a synchronous step's prepare_target). Same outputs as synchronous
+    DSpark; the KV pool whole (_drive checks it every step)."""
+    stops = [o.token_ids[k] for o, k in zip(sync_greedy, (17, 22, 30))]
+    reqs = [(p, SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[s])) for p, s in zip(prompts, stops)]
+    want, _, _ = _drive(_spec_llm(spec_pair, False), reqs)
+    llm = _spec_llm(spec_pair, True)
+    llm.engine.scheduler.max_num_seqs = 1
+    runner = llm.engine.runner
+    dropped = []
+    monkeypatch.setattr(runner, "drop", lambda step: dropped.append(step) or type(runner).drop(runner, step))
+    got, _, _ = _drive(llm, reqs)
+    assert _summary(got) == _summary(want)
+    assert [o.finish_reason for o in got.values()] == ["stop"] * 3
+    assert len(dropped) >= 2 and llm.engine._inflight is None
+
+    g = runner.graphs
+    done = _Done()
+    g.hold(done)  # the set of the step launched last
+    held = g._set
+    g.flip()  # into the other set: no wait
+    assert done.waited == 0
+    g.flip()  # back into the held set: its writer waits once
+    g.flip()
+    g.flip()
+    assert done.waited == 1
+    done2 = _Done()
+    g.hold(done2)
+    assert g._set == held
+    # a synchronous step writes the current set without a flip (one request verifying a block at 10)
+    one = types.SimpleNamespace(num_tokens=g.q, num_spec_tokens=g.q - 1, samples=True)
+    g.prepare_target([one], [5] * g.q, [10], [[1, 2, 3, 4, 5]])
+    assert done2.waited == 1 and not g._held
