@@ -53,6 +53,10 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
                         "batch's decode / verification rows (an admission then costs one graph step instead of an "
                         "eager prefill; without DSpark each prompt token is a row of the decode graph); 0: prefill "
                         "chunks always run eagerly (default: 512)")
+    p.add_argument("--graph-prefill-alone", action="store_true",
+                   help="with CUDA graphs, also when no request decodes (a first wave, an idle server's long prompt): "
+                        "cut prompt chunks to the graph's prefill rows, so a long prompt runs as graph steps instead "
+                        "of one eager step (off until measured end to end)")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the throwaway requests run at start-up on CUDA (they compile the eager paths' Triton "
                         "kernels before the first real request)")
@@ -64,7 +68,7 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
         kv_cache_memory_gb=a.kv_cache_memory_gb, enable_prefix_caching=not a.no_prefix_caching, seed=a.seed,
         attention_backend=a.attention_backend, enforce_eager=a.enforce_eager, batch_invariant=a.batch_invariant,
         async_scheduling=not a.no_async_scheduling, warmup=False if a.no_warmup else None,
-        graph_prefill_tokens=a.graph_prefill_tokens,
+        graph_prefill_tokens=a.graph_prefill_tokens, graph_prefill_alone=a.graph_prefill_alone,
     )
     if a.max_model_len is not None:
         kw["max_model_len"] = a.max_model_len

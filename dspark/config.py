@@ -105,6 +105,12 @@ class EngineConfig:
     # verification rows (prefill chunks as q-token pseudo-rows, q = 1 without DSpark; cuda_graphs.py
     # "Prefill rows"); 0: every step with a prefill chunk runs its prefill eagerly.
     graph_prefill_tokens: int = 512
+    # With CUDA graphs, when no request decodes (a first wave of prompts, an idle server's long prompt):
+    # cut the prefill chunks of requests the graphs can take to the graph's rows, so that a prompt longer
+    # than them runs as graph steps instead of one eager step (H200: an 846-token prompt's eager prefill
+    # took 17 ms plain, 37 ms with DSpark, against ~2 ms per graph step; session 36). Off until measured
+    # end to end on the GPU (docs/benchmarks.md, session 36, "Next").
+    graph_prefill_alone: bool = False
     # Throwaway requests at start-up (LLMEngine.warm_up), so the first real ones do not pay for Triton
     # compiles of the eager paths; None: on CUDA only (on a CPU there is nothing to compile).
     warmup: bool | None = None

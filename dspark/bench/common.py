@@ -42,6 +42,7 @@ def run_header(benchmark: str, engine, device: str) -> dict:
         "enforce_eager": cfg.enforce_eager,
         "async_scheduling": cfg.async_scheduling,
         "graph_prefill_tokens": cfg.graph_prefill_tokens,
+        "graph_prefill_alone": cfg.graph_prefill_alone,
         "enable_prefix_caching": cfg.enable_prefix_caching,
     }
 

@@ -344,6 +344,8 @@ class LLMEngine:
             self._adapt_verify_length()
         G = self.runner.graphs  # prefill chunks beside decoders sized to the graph rows (Scheduler.schedule)
         self.scheduler.graph_rows = (G.q, G.max_batch) if G is not None and G.prefill_rows else None
+        self.scheduler.prefill_on_graphs = (self.runner.prefill_on_graphs if self.config.graph_prefill_alone
+                                            and self.scheduler.graph_rows is not None else None)
         self._final_only = final_only
         if self._inflight is not None:
             return self._step_async()

@@ -844,6 +844,15 @@ class ModelRunner:
         return all(_one_sync_params(s.request.params)
                    and (s.request.params.greedy or s.num_spec_tokens > 0 or not G._decode_row(s)) for s in scheduled)
 
+    def prefill_on_graphs(self, req: Request) -> bool:
+        """_graph_prefill's condition for one request's prefill chunk: with DSpark a request a one-sync step
+        verifies on the device, without a request whose token ``launch`` can emit (Scheduler.schedule,
+        EngineConfig.graph_prefill_alone)."""
+        G = self.graphs
+        if G is None or not G.prefill_rows:
+            return False
+        return _one_sync_params(req.params) if G.draft_graphs else self._plain_graph_row(req)
+
     def _one_sync(self, scheduled) -> bool:
         """Whether this graph step runs as launch_one_sync + finish_one_sync: greedy requests that need
         only the argmax, or (DSpark) requests that verify drafts on the device (_one_sync_params), every

@@ -74,6 +74,9 @@ class Scheduler:
         # (q, rows) with DSpark's prefill-row graphs (cuda_graphs.py; set by the engine): while requests
         # decode, a step's prefill chunks are cut to fit the graph's rows besides theirs (see schedule)
         self.graph_rows: tuple[int, int] | None = None
+        # EngineConfig.graph_prefill_alone (set by the engine): whether a request's prefill chunk can run as
+        # prefill rows of a graph step (ModelRunner.prefill_on_graphs); None: off
+        self.prefill_on_graphs: Callable[[Request], bool] | None = None
 
     # ---------------------------------------------------------------- requests in and out
     def add(self, request: Request) -> None:
@@ -109,12 +112,27 @@ class Scheduler:
         # (chunked prefill, as vLLM's long_prefill_token_threshold caps a chunk beside running requests).
         # A longer chunk would run eagerly beside the decoders' graph step (ModelRunner._split): hundreds
         # of launches from Python, ~23 ms per admission at B=32 on the H200 (session 17) against ~4 ms for
-        # each graph step. Without decoders (a first wave of prompts) the whole budget is one eager step.
+        # each graph step. Without decoders (a first wave of prompts) the whole budget is one eager step,
+        # unless ``prefill_on_graphs`` (EngineConfig.graph_prefill_alone): then the step's first chunk decides
+        # whether it is a graph step (its chunks cut to the rows) or an eager one (uncut), and a chunk of
+        # the other kind waits for the next step (an eager chunk would make the cut ones eager too).
         decoding = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
-        rows = _GraphRows(*self.graph_rows, decoding) if self.graph_rows is not None and decoding else None
+        alone = not decoding and self.prefill_on_graphs is not None
+        rows = _GraphRows(*self.graph_rows, decoding) if self.graph_rows is not None and (decoding or alone) else None
+        kind: list[bool] = []  # alone: whether this step's chunks go to the graphs (its first chunk's)
 
         def cap(req: Request, num_new: int) -> int:
-            return num_new if rows is None or req.num_tokens - req.num_computed_tokens == 1 else rows.take(num_new)
+            if rows is None or req.num_tokens - req.num_computed_tokens == 1:
+                return num_new
+            if alone:
+                on = self.prefill_on_graphs(req)
+                if not kind:
+                    kind.append(on)
+                if on != kind[0]:
+                    return 0  # the other kind of chunk: next step
+                if not on:
+                    return num_new
+            return rows.take(num_new)
 
         i = 0
         while i < len(self.running) and budget > 0:

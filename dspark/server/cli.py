@@ -138,6 +138,7 @@ def build_engine(args: argparse.Namespace, log: logging.Logger) -> Any:
         attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
         batch_invariant=args.batch_invariant, async_scheduling=not args.no_async_scheduling,
         warmup=False if args.no_warmup else None, graph_prefill_tokens=args.graph_prefill_tokens,
+        graph_prefill_alone=args.graph_prefill_alone,
     )
     if args.max_model_len is not None:
         kw["max_model_len"] = args.max_model_len

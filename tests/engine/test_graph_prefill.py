@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
@@ -200,3 +201,19 @@ def test_a_prompts_last_token_alone_is_a_prefill_row(spec_pair, monkeypatch):
     assert lone >= 1  # the case happened (a prompt's last token alone in a step)
     assert host == 0  # and no step took the host's verification path
     assert got == want
+
+
+def test_prefill_alone_runs_long_prompts_as_graph_steps(spec_pair, prompts, monkeypatch):
+    """EngineConfig.graph_prefill_alone: with no request decoding (the first wave), chunks the graphs can
+    take are cut to the graph's rows, so a prompt longer than them runs as several graph steps instead of
+    one eager step; a request they cannot take (logprobs: verified on the host) is not cut and waits for a
+    step of its own kind. Same tokens, finish reasons and acceptance as with the option off; no leak."""
+    g = torch.Generator().manual_seed(3)
+    long_prompt = torch.randint(4, 512, (90,), generator=g).tolist()  # > the 16 graph rows x q tokens
+    reqs = [(long_prompt, GREEDY),
+            (prompts[1], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)),
+            (prompts[2], PARAMS[0]), (prompts[0], PARAMS[3])]
+    want, want_acc, (n_off, _) = _run(spec_pair, reqs, monkeypatch, "graph", seats=4)
+    got, acc, (n_on, _) = _run(spec_pair, reqs, monkeypatch, "graph", seats=4, graph_prefill_alone=True)
+    assert got == want and acc == want_acc
+    assert n_on >= n_off + 2  # the long prompt's chunks (90 tokens over >= 2 graph steps) were graph steps
