@@ -24,6 +24,7 @@ call, rows, verification rows, prefill tokens.
 Usage (GPU; the real model needs the GGUF, DSPARK_SMOLLM2_GGUF or the embedded default):
     python benchmarks/gpu_continuous_profile.py OUT_DIR [--prompt-source FILE] [--batch 32] [--prompts 128]
         [--temperature T] [--systems plain,dspark] [--cprofile N] [--torch-trace P] [--stop-at-eos]
+        [--timeline]
 Writes OUT_DIR/continuous_profile.json and prints a summary.
 """
 
@@ -189,6 +190,99 @@ IGNORE_EOS = True  # --stop-at-eos: False (requests end at the EOS, as `dspark b
 _OUTPUTS: dict = {}  # (id(llm), sync) -> token ids per prompt, for the cross-system agreement count
 
 
+def gpu_gaps(marks: list[tuple[str, float, float]], top: int = 12) -> dict:
+    """Where the GPU waited for the host, from per-step device times: ``marks`` [(kind, start, end)] in
+    launch order, ms on one device clock, ``start`` the time the step's first device work could begin
+    (an event recorded before it: it completes when the work queued before it has, or at once if the
+    stream was idle) and ``end`` the time its last work finished. The gap before step i is
+    max(0, start_i - end_{i-1}); busy is end_i - max(start_i, end_{i-1}). Per kind of step i: count, gap ms
+    in all and per step, busy ms per step; and the largest gaps."""
+    by: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    gaps = []
+    prev_end = None
+    for i, (kind, start, end) in enumerate(marks):
+        gap = 0.0 if prev_end is None else max(0.0, start - prev_end)
+        busy = end - (start if prev_end is None else max(start, prev_end))
+        st = by[kind]
+        st["steps"] += 1
+        st["gap_ms"] += gap
+        st["busy_ms"] += busy
+        gaps.append((gap, i, kind))
+        prev_end = end if prev_end is None else max(prev_end, end)
+    span = marks[-1][2] - marks[0][1] if marks else 0.0
+    kinds = {k: {"steps": int(v["steps"]), "gap_ms": round(v["gap_ms"], 3), "gap_ms_per_step": round(v["gap_ms"] / v["steps"], 4),
+                 "busy_ms_per_step": round(v["busy_ms"] / v["steps"], 4)}
+             for k, v in sorted(by.items(), key=lambda kv: -kv[1]["gap_ms"])}
+    return {"span_ms": round(span, 3), "gap_ms": round(sum(g for g, _, _ in gaps), 3), "kinds": kinds,
+            "largest_gaps": [{"step": i, "kind": k, "gap_ms": round(g, 3)} for g, i, k in sorted(gaps, reverse=True)[:top]]}
+
+
+def timeline(llm: LLM, prompts: list[list[int]], max_tokens: int, temperature: float) -> dict:
+    """One generate() with two CUDA events per engine step, no profiler: the device time each step could
+    start (an event recorded before its launch) and ended (one recorded after it), so the GPU's idle time
+    between steps is measured without slowing the host (torch.profiler doubles it at batch 1). A step's
+    kind: what the runner ran (as profile_system files it), with "+drop" when the engine dropped a launched
+    step (every request of it ended) since the previous one, "+finish" when the previous step() call
+    ended a request. Only on CUDA."""
+    engine, runner = llm.engine, llm.engine.runner
+    saved = {name: getattr(runner, name) for name in ("execute", "launch_one_sync", "launch", "drop")}
+    marks: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+    flags = {"drop": False, "finish": False}
+
+    def timed(name, label):
+        def call(sched, *args):
+            kind = label(sched, *args)
+            if flags["drop"]:
+                kind += "+drop"
+            if flags["finish"]:
+                kind += "+finish"
+            flags["drop"] = flags["finish"] = False
+            t0 = torch.cuda.Event(enable_timing=True)
+            t0.record()
+            out = saved[name](sched, *args)
+            t1 = torch.cuda.Event(enable_timing=True)
+            t1.record()
+            marks.append((kind, t0, t1))
+            return out
+        return call
+
+    def drop(step):
+        flags["drop"] = True
+        return saved["drop"](step)
+
+    runner.execute = timed("execute", lambda sched, kv: "execute:" + classify(runner, sched.scheduled))
+    runner.launch_one_sync = timed("launch_one_sync", lambda sched, kv, prev: "launch_spec" + (
+        "_prefill" if any(not runner.graphs._decode_row(s) for s in sched.scheduled) else "") + (
+        "" if prev is not None else "_first"))
+    runner.launch = timed("launch", lambda sched, kv, prev: "launch" + ("" if prev is not None else "_first"))
+    runner.drop = drop
+    saved_step = engine.step
+
+    def step(**kw):
+        out = saved_step(**kw)
+        if any(o.finished for o in out):
+            flags["finish"] = True
+        return out
+
+    engine.step = step
+    try:
+        p = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=IGNORE_EOS)
+        gc.collect()
+        _sync()
+        t = time.perf_counter()
+        outs = llm.generate(prompts, p)
+        _sync()
+        wall = time.perf_counter() - t
+    finally:
+        for name, fn in saved.items():
+            setattr(runner, name, fn)
+        engine.step = saved_step
+    base = marks[0][1]
+    res = gpu_gaps([(k, base.elapsed_time(a), base.elapsed_time(b)) for k, a, b in marks])
+    n = sum(len(o.token_ids) for o in outs)
+    return {"tokens": n, "wall_s": round(wall, 3), "tok_s": round(n / wall, 1), "requests": len(outs), **res}
+
+
 def torch_trace(llm: LLM, prompts: list[list[int]], max_tokens: int, temperature: float, trace_file: Path | None,
                 top: int = 25) -> dict:
     """One generate() under torch.profiler (CPU + CUDA activities), for the question a host-side profile
@@ -267,6 +361,9 @@ def main() -> None:
     ap.add_argument("--verify-length", type=int, default=0, metavar="N",
                     help="with verify_lengths in --speculative-config: switch the adaptive policy off and verify "
                          "N drafts in every step (one of the engine's graph sets)")
+    ap.add_argument("--timeline", action="store_true",
+                    help="a pass with two CUDA events per engine step and no profiler: the GPU's idle time before "
+                         "each step, by kind of step (gpu_gaps; CUDA only)")
     ap.add_argument("--stop-at-eos", action="store_true",
                     help="requests end at the EOS (or max tokens), as `dspark bench --stop-at-eos`: the per-request "
                          "costs (admission, the step launched past a request's end) weigh as in that bench")
@@ -315,6 +412,8 @@ def main() -> None:
         if a.cprofile:
             row["cprofile"] = profile_system(llm, prompts, a.batch, a.max_tokens, sync=False, temperature=a.temperature,
                                              cprofile=a.cprofile)
+        if a.timeline and cuda:
+            row["timeline"] = timeline(llm, prompts, a.max_tokens, a.temperature)
         if a.torch_trace:
             row["torch_trace"] = torch_trace(llm, prompts[:a.torch_trace], a.max_tokens, a.temperature,
                                              out / f"trace_{name}.json.gz" if cuda else None)
