@@ -4,6 +4,8 @@
 # three (two of 31 MiB, the third 26.4 MiB, which leaves room for the 3.7 MB prompt file beside it):
 #     gzip -9 -c "$(python -c 'from dspark.models.gguf_loader import default_gguf_path as d; print(d())')" > /tmp/g.gz
 #     split -b 31M -a 2 /tmp/g.gz .model/smollm.gguf.gz.p_
+# or in pieces of any sizes (session 37: 20 + 32.4 + 32.4 + 7.9 MB, so the first call also carries the
+# 10.7 MB Triton cache and the last the prompts and wheels); they are joined once they make a whole stream.
 # then make one call per piece, each carrying it (carry [".model/smollm.gguf.gz.p_aa"], ...) and running
 #     bash benchmarks/gguf_pieces.sh
 # back to back (the machine keeps /tmp only while warm, ~30 s between calls). The call that brings the
@@ -24,7 +26,8 @@ fi
 SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 for f in .model/smollm.gguf.gz.p_* .model/smollm.gguf.p30_* .model/smollm.gguf.part_a?; do [ -f "$f" ] && cp "$f" /tmp/; done
 if [ ! -f /tmp/smollm.gguf ]; then
-  if [ "$(ls /tmp/smollm.gguf.gz.p_* 2>/dev/null | wc -l)" -eq 3 ]; then
+  # any number of gzip pieces: joined once they make a whole gzip stream (gunzip -t), whatever their sizes
+  if ls /tmp/smollm.gguf.gz.p_* >/dev/null 2>&1 && cat /tmp/smollm.gguf.gz.p_a? | gunzip -t 2>/dev/null; then
     cat /tmp/smollm.gguf.gz.p_a? | gunzip > /tmp/smollm.gguf
   elif [ "$(ls /tmp/smollm.gguf.p30_* 2>/dev/null | wc -l)" -eq 4 ]; then
     cat /tmp/smollm.gguf.p30_a? > /tmp/smollm.gguf

@@ -24,7 +24,7 @@ call, rows, verification rows, prefill tokens.
 Usage (GPU; the real model needs the GGUF, DSPARK_SMOLLM2_GGUF or the embedded default):
     python benchmarks/gpu_continuous_profile.py OUT_DIR [--prompt-source FILE] [--batch 32] [--prompts 128]
         [--temperature T] [--systems plain,dspark] [--cprofile N] [--torch-trace P] [--stop-at-eos]
-        [--timeline]
+        [--timeline] [--segments] [--graph-prefill-alone]
 Writes OUT_DIR/continuous_profile.json and prints a summary.
 """
 
@@ -283,6 +283,98 @@ def timeline(llm: LLM, prompts: list[list[int]], max_tokens: int, temperature: f
     return {"tokens": n, "wall_s": round(wall, 3), "tok_s": round(n / wall, 1), "requests": len(outs), **res}
 
 
+def segments(llm: LLM, prompts: list[list[int]], max_tokens: int, temperature: float) -> dict:
+    """One generate() with a CUDA event after each piece of device work a launched step queues (the pinned
+    uploads, the row shift, the target / verification / sampling graphs, the drafter's inputs, the drafter
+    graph, the copy back) and one before it, no profiler. An event completes when the work queued before it
+    has, so the time between two consecutive events is that piece's device time **plus any time the GPU
+    waited for the host to queue it** (the host's Python between the pieces of a launch, once the GPU has
+    caught up). Per kind of launch: mean and median ms per piece, in launch order; ``before`` is the GPU's
+    idle time between the previous step's end and this step's first event. Only on CUDA."""
+    engine, runner = llm.engine, llm.engine.runner
+    G = runner.graphs
+    cur: list | None = None
+    steps: list[tuple[str, list]] = []
+
+    def mark(label: str) -> None:
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        cur.append((label, e))
+
+    hooked = []
+
+    def hook(obj, name: str) -> None:
+        if not hasattr(obj, name):
+            return
+        fn = getattr(obj, name)
+
+        def call(*args, **kw):
+            out = fn(*args, **kw)
+            if cur is not None:
+                mark(name)
+            return out
+        setattr(obj, name, call)
+        hooked.append((obj, name))
+
+    for name in ("upload", "rows_from_previous_step", "replay_target", "replay_verify", "replay_sample",
+                 "drafter_inputs_on_device", "replay_draft"):
+        hook(G, name)
+    hook(runner, "_copy_back")
+
+    def launcher(name: str):
+        fn = getattr(runner, name)
+
+        def call(sched, kv, prev):
+            nonlocal cur
+            cur = []
+            mark("start")
+            out = fn(sched, kv, prev)
+            mark("end")
+            pre = any(not G._decode_row(s) for s in sched.scheduled)
+            steps.append((name + ("_prefill" if pre else "") + ("" if prev is not None else "_first"), cur))
+            cur = None
+            return out
+        setattr(runner, name, call)
+        hooked.append((runner, name))
+
+    launcher("launch_one_sync")
+    launcher("launch")
+    try:
+        p = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=IGNORE_EOS)
+        gc.collect()
+        _sync()
+        t = time.perf_counter()
+        outs = llm.generate(prompts, p)
+        _sync()
+        wall = time.perf_counter() - t
+    finally:
+        for obj, name in hooked:
+            delattr(obj, name)  # the class's method again
+    by: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    order: dict[str, list[str]] = {}
+    prev_end = None
+    for kind, marks in steps:
+        t = [marks[0][1].elapsed_time(e) for _, e in marks]
+        if prev_end is not None:
+            by[kind]["before"].append(max(0.0, prev_end.elapsed_time(marks[0][1])))
+        labels = []
+        for i in range(1, len(marks)):
+            label = marks[i][0]
+            while label in labels:
+                label += "'"
+            labels.append(label)
+            by[kind][label].append(t[i] - t[i - 1])
+        order.setdefault(kind, ["before"] + labels)
+        prev_end = marks[-1][1]
+    res = {}
+    for kind, pieces in by.items():
+        n = len(pieces[order[kind][1]])
+        res[kind] = {"steps": n, "ms": {lab: {"mean": round(sum(v) / len(v), 4), "median": round(sorted(v)[len(v) // 2], 4)}
+                                       for lab in order[kind] if (v := pieces.get(lab))}}
+    n = sum(len(o.token_ids) for o in outs)
+    return {"tokens": n, "wall_s": round(wall, 3), "tok_s": round(n / wall, 1), "launches": res}
+
+
 def torch_trace(llm: LLM, prompts: list[list[int]], max_tokens: int, temperature: float, trace_file: Path | None,
                 top: int = 25) -> dict:
     """One generate() under torch.profiler (CPU + CUDA activities), for the question a host-side profile
@@ -364,6 +456,12 @@ def main() -> None:
     ap.add_argument("--timeline", action="store_true",
                     help="a pass with two CUDA events per engine step and no profiler: the GPU's idle time before "
                          "each step, by kind of step (gpu_gaps; CUDA only)")
+    ap.add_argument("--graph-prefill-alone", action="store_true",
+                    help="EngineConfig.graph_prefill_alone: with no request decoding, prompt chunks cut to the graphs' "
+                         "prefill rows (graph steps) instead of one eager step")
+    ap.add_argument("--segments", action="store_true",
+                    help="a pass with a CUDA event after each piece of a launched step (uploads, row shift, graphs, "
+                         "copy back): the device time of each, with the GPU's waits for the host inside (CUDA only)")
     ap.add_argument("--stop-at-eos", action="store_true",
                     help="requests end at the EOS (or max tokens), as `dspark bench --stop-at-eos`: the per-request "
                          "costs (admission, the step launched past a request's end) weigh as in that bench")
@@ -392,7 +490,8 @@ def main() -> None:
         cuda = a.device == "cuda"
         llm = LLM(a.model, device=a.device, dtype="bfloat16" if cuda else "float32", max_model_len=MAX_MODEL_LEN,
                   max_num_seqs=a.batch, kv_cache_memory_gb=16 if cuda else 0.5, enable_prefix_caching=False,
-                  speculative_config=spec, graph_prefill_tokens=prefill_tokens)
+                  speculative_config=spec, graph_prefill_tokens=prefill_tokens,
+                  graph_prefill_alone=a.graph_prefill_alone)
         llm.engine.admit_on_top = name != "dspark-sync-admit"
         if a.verify_length and spec:  # an adaptive engine held at one of its lengths (its policy off)
             if a.verify_length not in llm.engine.runner.graph_sets:
@@ -414,6 +513,8 @@ def main() -> None:
                                              cprofile=a.cprofile)
         if a.timeline and cuda:
             row["timeline"] = timeline(llm, prompts, a.max_tokens, a.temperature)
+        if a.segments and cuda:
+            row["segments"] = segments(llm, prompts, a.max_tokens, a.temperature)
         if a.torch_trace:
             row["torch_trace"] = torch_trace(llm, prompts[:a.torch_trace], a.max_tokens, a.temperature,
                                              out / f"trace_{name}.json.gz" if cuda else None)

@@ -197,6 +197,36 @@ def run_drafter(configs, dtype, checks, rows, sweep: bool = False, only: tuple[s
             rows.append({"kernel": "drafter", "B": B, "gamma": gamma, "ctx": ctx, "path": name, "us": us, "timed_as": how})
 
 
+def drafter_floor(dtype, checks, rows) -> None:
+    """Batch 1 and 12 at contexts 1,000-3,000 (γ 7): the default launch and the naive kernel for both, and at
+    batch 12 every launch of splits x key tile x warps x stages, each checked against the reference."""
+    from dspark.kernels.drafter_attention import drafter_attention, drafter_attention_naive, drafter_attention_ref
+
+    for ctx in (1000, 1500, 2000, 3000):
+        for B in (1, 12):
+            x = drafter_inputs(B, 7, ctx, dtype, "cuda")
+            ref = drafter_attention_ref(**x)
+            paths = {"shared_tile": dict(max_ctx_len=ctx)}
+            if B == 12:
+                for S in (4, 8, 16, 32):
+                    for N in (32, 64):
+                        for W in (2, 4):
+                            for st in (2, 3, 4):
+                                paths[f"s{S}_n{N}_w{W}_st{st}"] = dict(num_splits=S, block_n=N, num_warps=W, num_stages=st)
+            for name, kw in paths.items():
+                check(f"shared-tile {name} vs ref [B={B} ctx={ctx}]", max_err(drafter_attention(**x, **kw), ref), 2e-2,
+                      checks)
+                us, how = time_us(lambda kw=kw: drafter_attention(**x, **kw))
+                rows.append({"kernel": "drafter", "B": B, "gamma": 7, "ctx": ctx, "path": name, "us": us, "timed_as": how})
+            us, how = time_us(lambda: drafter_attention_naive(**x))
+            rows.append({"kernel": "drafter", "B": B, "gamma": 7, "ctx": ctx, "path": "naive", "us": us, "timed_as": how})
+        b1 = next(r["us"] for r in rows if r["ctx"] == ctx and r["B"] == 1 and r["path"] == "shared_tile")
+        naive12 = next(r["us"] for r in rows if r["ctx"] == ctx and r["B"] == 12 and r["path"] == "naive")
+        best = min((r for r in rows if r["ctx"] == ctx and r["B"] == 12 and r["path"] != "naive"), key=lambda r: r["us"])
+        print(f"ctx {ctx}: B1 {b1:.2f} us; B12 best {best['us']:.2f} ({best['path']}) = {best['us'] / b1:.2f}x B1; "
+              f"naive B12 {naive12:.2f} = {naive12 / best['us']:.2f}x", flush=True)
+
+
 def fp32_checks(checks) -> None:
     """Exact-precision kernels (fp32 inputs, IEEE products) agree with the references tightly."""
     from dspark.kernels.drafter_attention import drafter_attention, drafter_attention_ref
@@ -242,14 +272,16 @@ def print_table(rows) -> None:
     def base_of(r):
         keys = ("kernel", "B", "ctx", "q_len", "gamma")
         ref_path = "torch_backend" if r["kernel"] == "paged" else "torch_sdpa"
-        return next(o["us"] for o in rows if o["path"] == ref_path and all(o.get(k) == r.get(k) for k in keys))
+        return next((o["us"] for o in rows if o["path"] == ref_path and all(o.get(k) == r.get(k) for k in keys)), None)
 
     print(f"\n{'case':<34} {'path':<20} {'us':>9} {'vs torch':>9} {'KV GB/s':>9}")
     for r in rows:
         case = (f"paged {'decode' if r['q_len'] == 1 else 'verify'} B={r['B']} ctx={r['ctx']}" if r["kernel"] == "paged"
                 else f"drafter B={r['B']} gamma={r['gamma']} ctx={r['ctx']}")
         bw = f"{r['kv_GBps']:9.0f}" if "kv_GBps" in r else f"{'':>9}"
-        print(f"{case:<34} {r['path']:<20} {r['us']:9.1f} {base_of(r) / r['us']:8.2f}x {bw}")
+        base = base_of(r)
+        vs = f"{base / r['us']:8.2f}x" if base is not None else f"{'-':>9}"
+        print(f"{case:<34} {r['path']:<20} {r['us']:9.1f} {vs} {bw}")
 
 
 def main() -> None:
@@ -266,6 +298,10 @@ def main() -> None:
                          "batch 1-32 x context 128-4,000: "
                          "how its time grows with batch at each context (the issue's floors: batch 12 within 1.3x "
                          "of batch 1, >= 5x the naive kernel at batch 12)")
+    ap.add_argument("--drafter-floor", action="store_true",
+                    help="only the drafter kernel at batch 1 and 12, gamma 7, context 1,000-3,000: the default launch, "
+                         "the naive kernel, and at batch 12 a sweep of splits x key tile x warps x stages — is there "
+                         "a context and a launch where both of the issue's floors hold?")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("kernel_attention_bench needs a CUDA GPU")
@@ -279,7 +315,9 @@ def main() -> None:
     rows: list = []
     fp32_checks(checks)
     graph_replay_checks(checks)
-    if args.drafter_scaling:
+    if args.drafter_floor:
+        drafter_floor(dtype, checks, rows)
+    elif args.drafter_scaling:
         scaling = [(B, 7, ctx) for ctx in (128, 512, 1000, 4000) for B in (1, 2, 4, 8, 12, 32)]
         run_drafter(scaling, dtype, checks, rows, only=("shared_tile", "naive", "torch_sdpa"))
     else:

@@ -486,6 +486,7 @@ class LLMEngine:
         self.spec_stats.draft_time_s += result.draft_time_s
         self.spec_stats.verify_time_s += result.verify_time_s
         pol = self.verify_policy
+        est = pol.estimate if pol is not None else None
         per_req = self._req_spec
         for rid, (n, a) in result.verified.items():
             self.spec_stats.record(n, a)
@@ -493,8 +494,8 @@ class LLMEngine:
             if st is None:  # (not setdefault: that builds a SpecStats for every request at every step)
                 st = per_req[rid] = SpecStats()
             st.record(n, a)
-            if pol is not None and rid in self.requests:
-                pol.estimate.observe(not self.requests[rid].params.greedy, n, a)
+            if est is not None and rid in self.requests:
+                est.observe(not self.requests[rid].params.greedy, n, a)
         if result.verified:
             n = self.runner.num_spec_tokens
             self.spec_stats.length_steps[n] = self.spec_stats.length_steps.get(n, 0) + 1

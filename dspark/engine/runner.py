@@ -61,9 +61,8 @@ class InflightStep:
     timing: list | None  # CUDA events around the target step (and the drafter step, one-sync steps)
     t0: float
     # one-sync steps (launch_one_sync): what the next step's rows are derived from on the device
-    n_out: torch.Tensor | None = None  # [B] tokens emitted per request (accepted drafts + 1)
-    anchors: torch.Tensor | None = None  # [B] each request's last emitted token
-    drafts: torch.Tensor | None = None  # [B, N] the drafts made from it
+    n_out: torch.Tensor | None = None  # [B] tokens emitted per request (accepted drafts + 1): tokens[b, :n_out[b]]
+    drafts: torch.Tensor | None = None  # [B, N] the drafts made from each request's last emitted token
     draft_q: torch.Tensor | None = None  # [B, N, V] their q (probabilistic drafts of sampled requests)
     prob: list[bool] | None = None  # which requests drafted probabilistically
     # steps with prefill rows (StepGraphs.row_counts): each request's graph row whose outcome is its own
@@ -453,7 +452,7 @@ class ModelRunner:
         dq = None  # the sampled requests' q of their drafts: from draft_probs, unless prev is in flight
         if prev is not None:
             Bc = len(prev_rows)
-            G.rows_from_previous_step(Bc, prev.n_out, prev.anchors, prev.drafts,
+            G.rows_from_previous_step(Bc, prev.n_out, prev.tokens, prev.drafts,
                                       None if prev_rows == list(range(Bc)) else self._index(prev_rows))
             if sampled:  # prev's rows of the sampled requests (all on top): the host has not read it yet
                 rows = [prev_rows[b] for b in sampled]
@@ -486,12 +485,19 @@ class ModelRunner:
         parts = [out.reshape(-1), n_out]
         if ev:
             ev[1].record()
-        anchors = drafts = draft_q = None
+        drafts = draft_q = None
         if G.draft_graphs:
             G.drafter_inputs_on_device(Bg, out, n_out, commit)
             tokens, probs = G.replay_draft(Bg, bucket, any(prob))
             parts.append(tokens[:R].reshape(-1))
-            anchors, drafts = G.anchors[:R].clone(), tokens[:R].clone()  # the graph buffers are reused
+            # Not cloned (session 37: a device operation and ~10 µs of the host fewer per step, each): the
+            # drafts' one reader is the step launched on top of this one (rows_from_previous_step, and the
+            # one-hot q of its sampled requests), which reads them before its own target graph — which may
+            # use the drafter graph's output memory as scratch — and before its drafter graph rewrites
+            # them, in stream order. (That step takes each anchor from ``out``, this step's emitted tokens,
+            # not from G.anchors, which its upload rewrites first.) draft_q is cloned: draft_probs keeps it
+            # for a verification that may come steps later.
+            drafts = tokens[:R]
             if any(prob):
                 draft_q = probs[:R].clone()
         if ev:
@@ -503,7 +509,7 @@ class ModelRunner:
         if prev is not None:
             G.stats["async"] += 1
             G.stats["async_admit"] += bool(prefill)
-        return InflightStep(list(scheduled), out, hb, done, ev, t0, n_out=n_out, anchors=anchors, drafts=drafts,
+        return InflightStep(list(scheduled), out, hb, done, ev, t0, n_out=n_out, drafts=drafts,
                             draft_q=draft_q, prob=prob, rows=row_of if prefill else None, num_rows=R)
 
     def _prefill_outcome(self, scheduled, prefill: list[int], counts: list[int], row_of: list[int], am: torch.Tensor,
@@ -679,7 +685,7 @@ class ModelRunner:
             emit = [b for b, s in enumerate(scheduled) if s.samples]
             G.prepare_sampling(Bg, [row_of[b] for b in emit], [reqs[b].params for b in emit],
                                [as_int64(reqs[b].seed) for b in emit], [False] * len(emit))
-        G.upload(Bg, drafter=not greedy)
+        G.upload(Bg)  # one copy; a greedy step's sampling settings go over unread
         if prev is not None:  # after the upload in stream order: overwrites the placeholders
             G.input_ids[:R].copy_(prev.tokens)
         timing = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if self.device.type == "cuda" else None

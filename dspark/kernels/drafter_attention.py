@@ -206,11 +206,12 @@ def drafter_attention(
     num_splits: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
+    num_stages: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Shared-tile drafter attention -> [B, γ, Hq, D]. ``max_ctx_len`` (a hint: the context bucket a
-    graph is captured for) caps the split count; ``num_splits`` / ``block_n`` / ``num_warps``
-    override the tuning (DRAFTER_TUNING)."""
+    graph is captured for) caps the split count; ``num_splits`` / ``block_n`` / ``num_warps`` /
+    ``num_stages`` override the tuning (DRAFTER_TUNING; Triton's default pipeline depth)."""
     B, gamma, Hq, Hkv, D = _check(q, k_block, v_block, k_cache, v_cache, block_tables, ctx_lens, sinks)
     G = Hq // Hkv
     if out is None:
@@ -235,6 +236,7 @@ def drafter_attention(
         BLOCK_M=next_pow2(max(16, gamma * G)), BLOCK_G=next_pow2(max(16, gamma)), BLOCK_N=block_n,
         BLOCK_D=next_pow2(D), NUM_SPLITS=splits, HAS_SINK=sinks is not None,
         DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps or DRAFTER_TUNING["num_warps"],
+        **({} if num_stages is None else {"num_stages": num_stages}),
     )
     if splits > 1:
         combine_splits(target.view(B * gamma, Hq, splits, D), lse.view(B * gamma, Hq, splits),

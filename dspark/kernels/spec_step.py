@@ -66,14 +66,15 @@ verify_greedy_reference = verify_greedy
 
 # ------------------------------------------------------------------- rows of a block launched on top
 @triton.jit
-def _shift_rows_kernel(pos_ptr, slot_ptr, ids_ptr, seq_ptr, ntok_ptr, bt_ptr, s_bt, idx_ptr, nout_ptr, anc_ptr,
-                       dr_ptr, s_dr, q, bs, HAS_IDX: tl.constexpr, BLOCK: tl.constexpr):
+def _shift_rows_kernel(pos_ptr, slot_ptr, ids_ptr, seq_ptr, ntok_ptr, bt_ptr, s_bt, idx_ptr, nout_ptr, out_ptr,
+                       s_out, dr_ptr, s_dr, q, bs, HAS_IDX: tl.constexpr, BLOCK: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     if HAS_IDX:
         p = tl.load(idx_ptr + b).to(tl.int64)
     else:
         p = b
-    shift = tl.load(nout_ptr + p) - q
+    n = tl.load(nout_ptr + p)
+    shift = n - q
     j = tl.arange(0, BLOCK)
     m = j < q
     pos = tl.load(pos_ptr + b * q + j, mask=m, other=0) + shift
@@ -82,37 +83,39 @@ def _shift_rows_kernel(pos_ptr, slot_ptr, ids_ptr, seq_ptr, ntok_ptr, bt_ptr, s_
     tl.store(ntok_ptr + b, tl.load(ntok_ptr + b) + shift)
     blk = tl.load(bt_ptr + b * s_bt + pos // bs, mask=m, other=0)
     tl.store(slot_ptr + b * q + j, blk * bs + pos % bs, mask=m)
-    anchor = tl.load(anc_ptr + p)
+    anchor = tl.load(out_ptr + p * s_out + tl.maximum(n - 1, 0))  # the last token emitted
     d = tl.load(dr_ptr + p * s_dr + j - 1, mask=m & (j >= 1), other=0)
     tl.store(ids_ptr + b * q + j, tl.where(j == 0, anchor, d), mask=m)
 
 
 def shift_rows(positions: Tensor, slot_mapping: Tensor, input_ids: Tensor, seq_lens: Tensor, num_tokens: Tensor,
-               block_tables: Tensor, q: int, block_size: int, n_out: Tensor, anchors: Tensor, drafts: Tensor,
+               block_tables: Tensor, q: int, block_size: int, n_out: Tensor, out: Tensor, drafts: Tensor,
                idx: Tensor | None = None) -> None:
     """shift_rows_reference in one launch (in place). ``idx`` [B]: each request's row in the previous
-    step's outputs n_out, anchors, drafts (None: request b is row b)."""
+    step's outputs n_out, out, drafts (None: request b is row b)."""
     check_device(positions)
     B = seq_lens.shape[0]
     assert positions.shape == slot_mapping.shape == input_ids.shape == (B * q,) and num_tokens.shape == (B,)
-    assert drafts.stride(1) == 1 and block_tables.stride(1) == 1 and seq_lens.dtype == torch.int32
+    assert drafts.stride(1) == 1 and out.stride(1) == 1 and block_tables.stride(1) == 1 and seq_lens.dtype == torch.int32
     if B:
         _shift_rows_kernel[(B,)](positions, slot_mapping, input_ids, seq_lens, num_tokens, block_tables,
-                                 block_tables.stride(0), idx if idx is not None else n_out, n_out, anchors, drafts,
-                                 drafts.stride(0), q, block_size, HAS_IDX=idx is not None, BLOCK=next_pow2(q),
+                                 block_tables.stride(0), idx if idx is not None else n_out, n_out, out, out.stride(0),
+                                 drafts, drafts.stride(0), q, block_size, HAS_IDX=idx is not None, BLOCK=next_pow2(q),
                                  num_warps=1)
 
 
 def shift_rows_reference(positions: Tensor, slot_mapping: Tensor, input_ids: Tensor, seq_lens: Tensor,
                          num_tokens: Tensor, block_tables: Tensor, q: int, block_size: int, n_out: Tensor,
-                         anchors: Tensor, drafts: Tensor, idx: Tensor | None = None) -> None:
+                         out: Tensor, drafts: Tensor, idx: Tensor | None = None) -> None:
     """The first B requests' q rows each (B = len(seq_lens)), written by the host for the worst case,
     moved by shift = n_out[idx] - q (<= 0) — positions, seq_lens, tokens before the step — their cache
-    slots recomputed from the block tables, and their input ids set to the new anchor, then the drafts
-    made from it (anchors[idx], drafts[idx])."""
+    slots recomputed from the block tables, and their input ids set to the new anchor — the last token
+    the previous step emitted, out[idx, n_out[idx] - 1] (the one its drafter drafted from) — then the
+    drafts made from it (drafts[idx])."""
     B = seq_lens.shape[0]
     idx = slice(0, B) if idx is None else idx
-    n_out, anchors, drafts = n_out[idx], anchors[idx], drafts[idx]
+    n_out, out, drafts = n_out[idx], out[idx], drafts[idx]
+    anchors = out.gather(1, (n_out - 1).clamp(min=0)[:, None]).squeeze(1)
     shift = n_out - q
     pos = positions.view(B, q)
     pos += shift[:, None]

@@ -49,15 +49,17 @@ def test_shift_rows(gather: bool) -> None:
     B, q, bs, R = 5, 6, 4, 7
     inputs = _graph_inputs(B, q, bs, g)
     n_out = torch.randint(1, q + 1, (R,), generator=g)
-    anchors = torch.randint(0, 100, (R,), generator=g)
+    out = torch.randint(0, 100, (R, q + 3), generator=g)[:, :q]  # the previous step's emitted tokens, strided rows
     drafts = torch.randint(0, 100, (R, q + 2), generator=g)[:, :q - 1]  # strided rows
     idx = torch.tensor([6, 0, 3, 2, 5]) if gather else None
     got = [t.clone() for t in inputs]
     want = [t.clone() for t in inputs]
-    shift_rows(*got, q, bs, n_out, anchors, drafts, idx)
-    shift_rows_reference(*want, q, bs, n_out, anchors, drafts, idx)
+    shift_rows(*got, q, bs, n_out, out, drafts, idx)
+    shift_rows_reference(*want, q, bs, n_out, out, drafts, idx)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+    rows = idx if gather else torch.arange(B)  # the anchor: the last token each request's previous step emitted
+    assert torch.equal(want[2].view(B, q)[:, 0], out[rows, n_out[rows] - 1])
     assert not torch.equal(got[0], inputs[0])  # something moved
 
 
