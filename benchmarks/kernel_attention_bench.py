@@ -173,6 +173,9 @@ def run_drafter(configs, dtype, checks, rows, sweep: bool = False, only: tuple[s
         check(f"engine sdpa path vs ref [{label}]", max_err(engine_path().transpose(1, 2), ref), 2e-2, checks)
         paths = {
             "shared_tile": lambda: drafter_attention(**x, max_ctx_len=ctx),
+            # the launch before session 37 (4 warps, Triton's default 3 stages): --drafter-floor found 2 warps and
+            # 2 stages 11-14 % faster at batch 12 (now DRAFTER_TUNING)
+            "shared_tile_w4_st3": lambda: drafter_attention(**x, max_ctx_len=ctx, num_warps=4, num_stages=3),
             "shared_tile_unsplit": lambda: drafter_attention(**x, num_splits=1),
             # the split count the default heuristic would not pick at batch 12 (it allows ~4 programs
             # per SM): is the kernel flatter in batch with more, smaller slices?
@@ -319,7 +322,7 @@ def main() -> None:
         drafter_floor(dtype, checks, rows)
     elif args.drafter_scaling:
         scaling = [(B, 7, ctx) for ctx in (128, 512, 1000, 4000) for B in (1, 2, 4, 8, 12, 32)]
-        run_drafter(scaling, dtype, checks, rows, only=("shared_tile", "naive", "torch_sdpa"))
+        run_drafter(scaling, dtype, checks, rows, only=("shared_tile", "shared_tile_w4_st3", "naive", "torch_sdpa"))
     else:
         run_paged(paged, dtype, checks, rows, sweep=args.paged_sweep)
         run_drafter(drafter, dtype, checks, rows, sweep=args.drafter_sweep)

@@ -184,11 +184,14 @@ def _kv_args(k_block, v_block, k_cache, v_cache, block_tables) -> tuple[int, ...
             block_tables.stride(0))
 
 
-# The shared-tile kernel's key tile and warps (the split count: default_num_splits). Swept on the H200 in
-# session 29 (benchmarks/kernel_attention_bench.py --drafter-sweep; docs/benchmarks.md): 64 keys x 4 warps
-# with the default splits was within 0.2 µs of the best of 18 settings at batch 12 (γ 5 and 7); 8 warps
-# lost nearly everywhere.
-DRAFTER_TUNING = {"block_n": 64, "num_warps": 4}
+# The shared-tile kernel's key tile, warps and pipeline stages (the split count: default_num_splits). Swept
+# on the H200 in session 29 (benchmarks/kernel_attention_bench.py --drafter-sweep; docs/benchmarks.md): 64
+# keys x 4 warps with the default splits was within 0.2 µs of the best of 18 settings at batch 12 (γ 5 and
+# 7); 8 warps lost nearly everywhere. Session 37 (--drafter-floor: splits x key tile x warps x stages, 48
+# launches at batch 12, context 1,000-3,000) found 2 warps and 2 stages 11-14 % faster than 4 warps and
+# Triton's default 3 stages at batch 12, and --drafter-scaling faster or equal in all 24 cells of batch 1-32 x
+# context 128-4,000 (batch 1: -0.2 to -0.4 µs; batch 12 at 1,000 keys: 9.9 -> 8.8 µs).
+DRAFTER_TUNING = {"block_n": 64, "num_warps": 2, "num_stages": 2}
 
 
 def drafter_attention(
@@ -211,7 +214,7 @@ def drafter_attention(
 ) -> torch.Tensor:
     """Shared-tile drafter attention -> [B, γ, Hq, D]. ``max_ctx_len`` (a hint: the context bucket a
     graph is captured for) caps the split count; ``num_splits`` / ``block_n`` / ``num_warps`` /
-    ``num_stages`` override the tuning (DRAFTER_TUNING; Triton's default pipeline depth)."""
+    ``num_stages`` override the tuning (DRAFTER_TUNING)."""
     B, gamma, Hq, Hkv, D = _check(q, k_block, v_block, k_cache, v_cache, block_tables, ctx_lens, sinks)
     G = Hq // Hkv
     if out is None:
@@ -236,7 +239,7 @@ def drafter_attention(
         BLOCK_M=next_pow2(max(16, gamma * G)), BLOCK_G=next_pow2(max(16, gamma)), BLOCK_N=block_n,
         BLOCK_D=next_pow2(D), NUM_SPLITS=splits, HAS_SINK=sinks is not None,
         DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps or DRAFTER_TUNING["num_warps"],
-        **({} if num_stages is None else {"num_stages": num_stages}),
+        num_stages=num_stages or DRAFTER_TUNING["num_stages"],
     )
     if splits > 1:
         combine_splits(target.view(B * gamma, Hq, splits, D), lse.view(B * gamma, Hq, splits),
