@@ -163,9 +163,9 @@ class StepGraphs:
         #   floats [temperature (Bm) | top-p (Bm) | min-p (Bm)]     flags [valid rows (Tm) | probabilistic (Bm)]
         # and all five are views of one byte buffer, block tables last, so that a whole step's inputs go
         # over in **one** host->device copy (``upload``: the bytes up to the batch's last block-table row).
-        # Why: each copy is a separate operation on the stream, a few µs of device time however small; a
-        # batch-1 DSpark step queued five of them (session 37: ~63 µs of device time per step outside the
-        # graphs, where the operations themselves account for ~13).
+        # Why: each copy is a separate operation on the stream, several µs of device time however small
+        # (session 37, CUDA events between the pieces of a batch-1 step: 5-12 µs for each small copy or
+        # kernel outside the graphs), and ~10 µs of the host's time; a DSpark step queued five of them.
         shapes = [(torch.float32, (3 * Bm,)), (torch.int32, (Bm,)), (torch.bool, (Tm + Bm,)),
                   (torch.int64, (3 * Tm + 6 * Bm,)), (torch.int64, (Bm, self.width))]
         offsets, n = [], 0
@@ -582,8 +582,8 @@ class StepGraphs:
         other rows draft greedily and are never read. Without speculation: the settings _sample_step
         samples with."""
         # The same settings as this pinned set last took (two steps ago, with async scheduling: the usual
-        # case while a batch decodes) are still there: nothing else writes these regions. ~20 µs of the
-        # host per step at batch 1, where the step is host-bound (session 37).
+        # case while a batch decodes) are still there: nothing else writes these regions. Saves ~20 µs of
+        # the host per step, whose work at batch 1 is close to the GPU's step time (session 37).
         last = self._sampling_written[self._set]
         if (last is not None and last[0] == Bg and last[1] == rows and last[3] == seeds and last[4] == prob
                 and all(a is b for a, b in zip(last[2], params))):

@@ -240,8 +240,8 @@ class SampledBatchRule(_LengthChoice):
     ``long``: its greedy requests would lose the most, and no mixed cell was measured.
 
     The engine drives it as it drives ``VerifyLengthPolicy`` (``_LengthChoice``: the same hysteresis) but
-    keeps no acceptance estimate: the rule does not read one (feeding it cost the host ~20 µs per step, a
-    few % of a batch-1 step, which is host-bound; session 37)."""
+    keeps no acceptance estimate: the rule does not read one (feeding it cost the host ~20 µs per step; at
+    batch 1 the host's work per step is close to the GPU's step time, session 37)."""
 
     def __init__(self, short: int, long: int, min_batch: int, min_steps: int = 16, interval: int = 8) -> None:
         if not 1 <= short < long:
