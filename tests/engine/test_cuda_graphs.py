@@ -145,3 +145,66 @@ def test_graph_steps_match_eager_mixed_batch(target, drafter, prompts):
     assert got == want
     g = llm.engine.runner.graphs
     assert g.stats["target"] > g.stats["one_sync"]  # mixed steps went through the general path
+
+
+def test_inputs_packed_in_one_buffer_and_one_copy(target, drafter):
+    """The step's inputs (floats, seq_lens, flags, ints, block tables) are disjoint, aligned views of one
+    device byte buffer with pinned twins of the same layout, so ``upload`` sends a whole step in one copy:
+    exactly the bytes up to the batch's last block-table row (rows past it keep their device values)."""
+    from dspark import SamplingParams as SP
+
+    llm = LLM(str(target), device="cpu", block_size=4, num_kv_blocks=64, attention_backend="triton", max_num_seqs=3,
+              speculative_config={"model": str(drafter)})
+    llm.engine.runner.enable_graphs(capture=False, batch_sizes=[2, 4], buckets=[16, 32, 64])
+    G = llm.engine.runner.graphs
+    views = [G.floats, G.seq_lens, G.flags, G.ints, G.block_tables]
+    base = G._dev_bytes.data_ptr()
+    spans = sorted((v.data_ptr() - base, v.data_ptr() - base + v.numel() * v.element_size()) for v in views)
+    assert all(lo % 64 == 0 for lo, _ in spans) and spans[-1][1] <= G._dev_bytes.numel()
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), "the sections overlap"
+    assert G.block_tables.data_ptr() - base == spans[-1][0]  # block tables last: the copy stops inside them
+    hi, hf, hb, hs, ht = G._pinned
+    for h, d in zip((hf, hs, hb, hi, ht), views):
+        assert h.shape == d.shape and h.dtype == d.dtype
+    G.block_tables.fill_(-7)
+    hf[:] = 0.5
+    hs[:] = 3
+    hb[:] = True
+    hi[:] = 11
+    ht[:] = 5
+    G.upload(2)
+    assert torch.equal(G.floats, hf) and torch.equal(G.seq_lens, hs) and torch.equal(G.flags, hb)
+    assert torch.equal(G.ints, hi)
+    assert (G.block_tables[:2] == 5).all() and (G.block_tables[2:] == -7).all()
+    # and the engine still decodes through it (one copy per graph step)
+    out = llm.generate([[5, 6, 7]], SP(temperature=0, max_tokens=6, ignore_eos=True))
+    assert len(out[0].token_ids) == 6
+
+
+def test_sampling_settings_rewritten_only_when_changed(target, drafter):
+    """prepare_sampling leaves a pinned set alone when it already holds the same rows' settings (the same
+    SamplingParams objects, seeds and flags), and rewrites it when any of them differs."""
+    from dspark import SamplingParams as SP
+
+    llm = LLM(str(target), device="cpu", block_size=4, num_kv_blocks=64, attention_backend="triton", max_num_seqs=3,
+              speculative_config={"model": str(drafter)})
+    llm.engine.runner.enable_graphs(capture=False, batch_sizes=[2, 4], buckets=[16, 32, 64])
+    G = llm.engine.runner.graphs
+    Tm, Bm = G.max_rows, G.max_batch
+    p1, p2 = SP(temperature=0.7, top_p=0.9), SP(temperature=1.3)
+    G.prepare_sampling(2, [0, 1], [p1, p2], [1, 2], [True, True])
+    temp = G._hf[:2].copy()
+    assert temp[0] == pytest.approx(0.7) and temp[1] == pytest.approx(1.3)
+    G._hf[:2] = -1.0  # a rewrite would restore it
+    G.prepare_sampling(2, [0, 1], [p1, p2], [1, 2], [True, True])
+    assert (G._hf[:2] == -1.0).all()  # same settings: skipped
+    G.prepare_sampling(2, [0, 1], [p1, SP(temperature=1.3)], [1, 2], [True, True])  # another params object
+    assert G._hf[1] == pytest.approx(1.3) and G._hf[0] == pytest.approx(0.7)
+    G._hf[:2] = -1.0
+    G.prepare_sampling(2, [0, 1], [p1, p2], [1, 3], [True, True])  # another seed
+    assert G._hi[3 * Tm + 3 * Bm + 1] == 3 and G._hf[0] == pytest.approx(0.7)
+    G.prepare_sampling(2, [1], [p2], [3], [False])  # other rows
+    assert G._hf[0] == 0.0 and G._hf[1] == pytest.approx(1.3) and not G._hb[Tm + 1]
+    G.flip()  # the other pinned set has its own record
+    G.prepare_sampling(2, [1], [p2], [3], [False])
+    assert G._hf[1] == pytest.approx(1.3)
