@@ -217,6 +217,17 @@ def gpu_gaps(marks: list[tuple[str, float, float]], top: int = 12) -> dict:
             "largest_gaps": [{"step": i, "kind": k, "gap_ms": round(g, 3)} for g, i, k in sorted(gaps, reverse=True)[:top]]}
 
 
+def _generate_timed(llm: LLM, prompts: list[list[int]], max_tokens: int, temperature: float) -> tuple[list, float]:
+    """One generate() of the prompts from the same collector state, timed between device synchronisations."""
+    p = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=IGNORE_EOS)
+    gc.collect()
+    _sync()
+    t = time.perf_counter()
+    outs = llm.generate(prompts, p)
+    _sync()
+    return outs, time.perf_counter() - t
+
+
 def timeline(llm: LLM, prompts: list[list[int]], max_tokens: int, temperature: float) -> dict:
     """One generate() with two CUDA events per engine step, no profiler: the device time each step could
     start (an event recorded before its launch) and ended (one recorded after it), so the GPU's idle time
@@ -266,13 +277,7 @@ def timeline(llm: LLM, prompts: list[list[int]], max_tokens: int, temperature: f
 
     engine.step = step
     try:
-        p = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=IGNORE_EOS)
-        gc.collect()
-        _sync()
-        t = time.perf_counter()
-        outs = llm.generate(prompts, p)
-        _sync()
-        wall = time.perf_counter() - t
+        outs, wall = _generate_timed(llm, prompts, max_tokens, temperature)
     finally:
         for name, fn in saved.items():
             setattr(runner, name, fn)
@@ -340,13 +345,7 @@ def segments(llm: LLM, prompts: list[list[int]], max_tokens: int, temperature: f
     launcher("launch_one_sync")
     launcher("launch")
     try:
-        p = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=IGNORE_EOS)
-        gc.collect()
-        _sync()
-        t = time.perf_counter()
-        outs = llm.generate(prompts, p)
-        _sync()
-        wall = time.perf_counter() - t
+        outs, wall = _generate_timed(llm, prompts, max_tokens, temperature)
     finally:
         for obj, name in hooked:
             delattr(obj, name)  # the class's method again
