@@ -139,6 +139,9 @@ def main() -> int:
         log(f"generated {gen['generated_tokens']} tokens ({gen['generated_tokens_per_s']:.0f} tok/s): "
             f"{gen['train']['num_sequences']} training and {gen.get('heldout', {}).get('num_sequences', 0)} "
             "held-out sequences")
+        if a.gen_budget_s and gen["generation_s"] < 0.9 * a.gen_budget_s:
+            log(f"warning: the request queue ran out after {gen['generation_s']:.0f}s of the "
+                f"{a.gen_budget_s:.0f}s budget: queue more (--num-prompts, --gen-passes) to use it all")
         free()
     if gen_summary.is_file():
         summary["generation"] = json.loads(gen_summary.read_text())

@@ -22,7 +22,10 @@
 # GEN_SEQS / GEN_KV_GB (the regeneration engine's max_num_seqs and KV cache), GEN_GROUPS (below).
 # GEN_GROUPS="SAMPLING:PROCS[:FLAGS];..." (gen+train): regenerate with several engine processes side by side,
 # PROCS per group, each group with its own --gen-sampling preset and flags, e.g.
-#   GEN_GROUPS="t1:3;deepspec:3:--prompt-offset 7400 --gen-passes 2"
+#   GEN_GROUPS="t1:3;deepspec:3:--prompt-offset 7400"
+# Every group process queues all training prompts three times (--num-prompts 14828 --gen-passes 3, before
+# FLAGS, which may override them) so that its queue outlasts GEN_S: with train_gpu.py's default of 6,000
+# prompts shared by the group's processes, session 38's four T = 1 processes ran dry after 24-26 s of 170.
 # Regeneration is host-bound (one Python scheduler at hundreds of requests per step), so processes on
 # separate cores share the GPU; the groups' token files are merged into this call's data file, the first
 # group's held-out file is this call's held-out file and each further group's is evaluated too
@@ -72,7 +75,7 @@ gen_groups() {  # GEN_GROUPS: regeneration processes side by side, merged into /
       # shellcheck disable=SC2086
       OMP_NUM_THREADS=2 python3 benchmarks/train_gpu.py "${COMMON[@]}" --work /tmp/dspark_gen/$gi-$k --run gen$gi-$k \
         --phase gen --gen-sampling "$samp" --gen-shard $k/$procs --gen-budget-s "$GEN_S" \
-        --gen-max-num-seqs ${GEN_SEQS:-256} --gen-kv-cache-gb ${GEN_KV_GB:-8} $flags > $RES/gen$gi-$k.log 2>&1 &
+        --gen-max-num-seqs ${GEN_SEQS:-256} --gen-kv-cache-gb ${GEN_KV_GB:-8} --num-prompts 14828 --gen-passes 3 $flags > $RES/gen$gi-$k.log 2>&1 &
     done
     gi=$((gi + 1))
   done
