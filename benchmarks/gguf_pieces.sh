@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The SmolLM2 GGUF (98 MB) cannot travel in one device call (64 MiB each, tracked tree included, and the
-# tree holds the 29 MB shipped drafter: 33.4 MB in all). Make the pieces here once, gzipped (92.7 MB) in
+# tree holds the 29 MB shipped drafter: 34.1 MB in all). `bash benchmarks/device_assets.sh` makes the pieces
+# (sized to the tree and the other carried files), the prompt file and the gguf wheel in a fresh workspace and
+# prints what each call carries. By hand: the pieces, gzipped (92.7 MB) in
 # three (two of 31 MiB, the third 26.4 MiB, which leaves room for the 3.7 MB prompt file beside it):
 #     gzip -9 -c "$(python -c 'from dspark.models.gguf_loader import default_gguf_path as d; print(d())')" > /tmp/g.gz
 #     split -b 31M -a 2 /tmp/g.gz .model/smollm.gguf.gz.p_
