@@ -97,6 +97,23 @@ def teacher_forced(tr: Trainer, prompts: list[list[int]], responses: list[list[i
             "tau_prob_per_block": round(t.mean().item(), 4), "blocks": int(t.numel())}
 
 
+def trainer_with_drafter(drafter_dir: str, heldout: str) -> tuple[Trainer, int]:
+    """A CPU fp32 Trainer (the default target) holding the drafter in ``drafter_dir``, for teacher forcing
+    (``tf_logits``) and its own ``evaluate()`` on ``heldout``; and the drafter's block size."""
+    dcfg = json.loads((Path(drafter_dir) / "config.json").read_text())
+    G = dcfg["block_size"]
+    tr = Trainer(TrainConfig(out="/tmp/drafter_t1_check", data=heldout, model=None, device="cpu",
+                             block_size=G, num_layers=dcfg["num_hidden_layers"], markov_rank=dcfg["markov_rank"],
+                             target_layer_ids=dcfg["target_layer_ids"], mask_token_id=dcfg["mask_token_id"],
+                             eval_data=heldout, eval_seqs=64, batch_size=4, anchors_per_seq=128, seq_len=1024))
+    sd: dict[str, torch.Tensor] = {}
+    for f in sorted(glob.glob(drafter_dir + "/*.safetensors")):
+        sd.update(load_file(f))
+    tr.drafter.load_state_dict_deepspec(sd, tr.target.embed_tokens.weight, tr.target.lm_head.weight_t)
+    tr.drafter.float().eval()
+    return tr, G
+
+
 class Recorder:
     """Wraps a ModelRunner's verification to keep what its rejection sampler receives."""
 
@@ -201,15 +218,7 @@ def main() -> None:
     del llm
     print(f"[{time.time() - t0:.0f}s] spec T=1 run done", flush=True)
 
-    tr = Trainer(TrainConfig(out="/tmp/drafter_t1_check", data=a.heldout, model=None, device="cpu",
-                             block_size=G, num_layers=dcfg["num_hidden_layers"], markov_rank=dcfg["markov_rank"],
-                             target_layer_ids=dcfg["target_layer_ids"], mask_token_id=dcfg["mask_token_id"],
-                             eval_data=a.heldout, eval_seqs=64, batch_size=4, anchors_per_seq=128, seq_len=1024))
-    sd: dict[str, torch.Tensor] = {}
-    for f in sorted(glob.glob(drafter_dir + "/*.safetensors")):
-        sd.update(load_file(f))
-    tr.drafter.load_state_dict_deepspec(sd, tr.target.embed_tokens.weight, tr.target.lm_head.weight_t)
-    tr.drafter.float().eval()
+    tr, _ = trainer_with_drafter(drafter_dir, a.heldout)
 
     # the trainer's own held-out metric (its evaluate(): 64 sequences, whole responses, fixed anchors)
     if not a.no_evaluate:
