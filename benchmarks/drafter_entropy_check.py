@@ -95,18 +95,16 @@ def main() -> None:
     drafter_dir = str(a.drafter or shipped_drafter(None))
     tr, G = _t1.trainer_with_drafter(drafter_dir, a.files[0])
     res: dict = {"drafter": drafter_dir, "max_new": a.max_new, "files": {}}
-    raw = {}
     for f in a.files:
-        raw[f] = rows(tr, TokenData.load(f), a.prompts, a.max_new, a.max_prompt, G)
-        res["files"][f] = summarise(raw[f], G)
+        res["files"][f] = summarise(rows(tr, TokenData.load(f), a.prompts, a.max_new, a.max_prompt, G), G)
         print(f"[{time.time() - t0:.0f}s] {f}: {json.dumps(res['files'][f]['one_minus_tv_per_slot'])}", flush=True)
     # counterfactual slot-1 acceptance: the first file's entropy mix, each other file's acceptance per bin
+    # (compare with the first file's own slot 1, one_minus_tv_per_slot[0])
     first = res["files"][a.files[0]]["bins"]
     for f in a.files[1:]:
         other = res["files"][f]["bins"]
         mix = sum(b["slot1"]["share"] * (o["slot1"]["one_minus_tv"] or 0.0) for b, o in zip(first, other))
         res["files"][f]["slot1_with_first_file_entropy_mix"] = round(mix, 4)
-    res["files"][a.files[0]]["slot1"] = round(raw[a.files[0]]["acc"][raw[a.files[0]]["slot"] == 0].mean().item(), 4)
     res["wall_s"] = round(time.time() - t0, 1)
     print(json.dumps(res, indent=1))
     if a.out:
