@@ -10,7 +10,11 @@ bin" says whether the drafter is worse at T = 1 text at equal entropy, or the te
 entropy, where every drafter matches p less well.
 
     python benchmarks/drafter_entropy_check.py T1.safetensors T07.safetensors [--drafter DIR]
-        [--prompts 32] [--max-new 256] [--out FILE.json]
+        [--prompts 32] [--max-new 256] [--skip-layers 2,15,27] [--out FILE.json]
+
+--skip-layers adds a reference for slot 1 that has everything a drafter lacks: the target itself with one
+decoder layer removed (29 of its 30 layers, the anchor token processed, the whole context), predicting the
+same tokens. How close such a near-copy of the target comes to p says how demanding a 1 − TV is.
 
 The token files are the trainer's held-out files (`dspark train` writes them; session 38's are
 heldout-s38-t1 / heldout-s38-t07 in .model/data/). Slot k of the block at anchor p drafts token p + k; every
@@ -64,6 +68,41 @@ def rows(tr, data: TokenData, n: int, max_new: int, max_prompt: int, G: int) -> 
     return {k: torch.cat(v) for k, v in out.items()} | {"sequences": used}
 
 
+@torch.no_grad()
+def skip_layer_rows(tr, data: TokenData, n: int, max_new: int, max_prompt: int, skip: int) -> dict[str, torch.Tensor]:
+    """A reference for slot 1: the target with its decoder layer ``skip`` removed (the identity in its
+    place), which sees everything the target sees, as the "drafter" of each response token: per token,
+    the full target's entropy, 1 − TV(p_skip, p) and argmax agreement (rows as ``rows``'s slot 1)."""
+    from dspark.train.model import target_forward
+
+    target = tr.target
+    out: dict[str, list] = {"entropy": [], "acc": [], "agree": []}
+    used = 0
+    for i in range(len(data)):
+        t, m = data.sequence(i)
+        if int((~m).sum()) > max_prompt or int(m.sum()) < 2:
+            continue
+        prompt, resp = t[~m].tolist(), t[m].tolist()[:max_new]
+        x, L = torch.tensor(prompt + resp)[None], len(prompt)
+        # position j predicts token j + 1: the response's second token on (slot 1 of the anchor at j)
+        lp = target.compute_logits(target_forward(target, x)[0][0, L:-1])
+        layer = target.layers[skip]
+        layer.forward = lambda h, *args: h  # an instance attribute: nn.Module.__call__ takes it
+        try:
+            ls = target.compute_logits(target_forward(target, x)[0][0, L:-1])
+        finally:
+            del layer.forward
+        p = lp.softmax(-1)
+        out["entropy"].append(-(p * p.clamp(min=1e-30).log()).sum(-1))
+        out["acc"].append(_t1.one_minus_tv(ls.softmax(-1), p))
+        out["agree"].append((ls.argmax(-1) == lp.argmax(-1)).float())
+        used += 1
+        if used == n:
+            break
+    r = {k: torch.cat(v) for k, v in out.items()}
+    return r | {"slot": torch.zeros_like(r["acc"], dtype=torch.long), "sequences": used}
+
+
 def summarise(r: dict, G: int) -> dict:
     tab = []
     s1 = r["slot"] == 0
@@ -89,6 +128,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--max-prompt", type=int, default=384)
     ap.add_argument("--max-new", type=int, default=256)
+    ap.add_argument("--skip-layers", default="",
+                    help="comma-separated target layers: for each, the target without it as a slot-1 reference")
     ap.add_argument("--out", default=None, help="JSON file")
     a = ap.parse_args()
     t0 = time.time()
@@ -96,8 +137,14 @@ def main() -> None:
     tr, G = _t1.trainer_with_drafter(drafter_dir, a.files[0])
     res: dict = {"drafter": drafter_dir, "max_new": a.max_new, "files": {}}
     for f in a.files:
-        res["files"][f] = summarise(rows(tr, TokenData.load(f), a.prompts, a.max_new, a.max_prompt, G), G)
+        data = TokenData.load(f)
+        res["files"][f] = summarise(rows(tr, data, a.prompts, a.max_new, a.max_prompt, G), G)
         print(f"[{time.time() - t0:.0f}s] {f}: {json.dumps(res['files'][f]['one_minus_tv_per_slot'])}", flush=True)
+        for skip in (int(x) for x in a.skip_layers.split(",") if x):
+            ref = summarise(skip_layer_rows(tr, data, a.prompts, a.max_new, a.max_prompt, skip), 1)
+            res["files"][f][f"target_without_layer_{skip}"] = ref
+            print(f"[{time.time() - t0:.0f}s] {f}: the target without layer {skip}: slot 1 "
+                  f"{ref['one_minus_tv_per_slot'][0]}", flush=True)
     # counterfactual slot-1 acceptance: the first file's entropy mix, each other file's acceptance per bin
     # (compare with the first file's own slot 1, one_minus_tv_per_slot[0])
     first = res["files"][a.files[0]]["bins"]
