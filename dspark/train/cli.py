@@ -73,7 +73,8 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     o.add_argument("--init-from", default=None,
                    help="start from this trained drafter directory (same config; e.g. the shipped one) instead of "
                         "a random init; the optimizer starts fresh. With more --num-layers than it has: a deeper "
-                        "drafter grown from it (new layers appended, starting as the identity)")
+                        "drafter grown from it (new layers appended, starting as the identity); with more "
+                        "--target-layer-ids (a superset of its taps): the new taps' fc columns start at zero")
     o.add_argument("--restart-steps", type=int, default=None,
                    help="with --resume: a warm restart, a new warm-up + cosine schedule of this many steps from the "
                         "checkpoint's weights and optimizer state (at --lr); only on the call that starts it")

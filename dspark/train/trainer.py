@@ -196,7 +196,11 @@ class Trainer:
         trained one did (the context K/V of every layer come from the shared fc(taps), not from the
         layer below). It may also have another block size: no parameter depends on it (a block's rows
         are the anchor token and mask tokens, told apart by their RoPE positions only), so a drafter
-        trained at block 5 starts a block-7 run with all its weights and learns the new slots.
+        trained at block 5 starts a block-7 run with all its weights and learns the new slots. And it may
+        tap more target layers (``target_layer_ids`` a superset of the checkpoint's): ``fc`` takes the
+        concatenated taps, so each trained tap keeps its block of fc's columns at its new place and each
+        new tap gets zero columns: fc(taps) — hence every layer's context — starts exactly as before and
+        training lets the new taps in.
         The optimizer starts fresh."""
         from safetensors.torch import load_file
 
@@ -208,14 +212,24 @@ class Trainer:
         theirs = DrafterConfig.from_dict(json.loads((p / "config.json").read_text()))
         diff = {k: (getattr(theirs, k), getattr(dc, k)) for k in asdict(dc) if getattr(theirs, k) != getattr(dc, k)}
         grow = "num_hidden_layers" in diff and theirs.num_hidden_layers < dc.num_hidden_layers
-        allowed = {"block_size"} | ({"num_hidden_layers"} if grow else set())
+        more_taps = "target_layer_ids" in diff and set(theirs.target_layer_ids) < set(dc.target_layer_ids)
+        allowed = {"block_size"} | ({"num_hidden_layers"} if grow else set()) | ({"target_layer_ids"} if more_taps else set())
         if set(diff) - allowed:
             raise ValueError(f"init_from {path!r}: its config differs from this run's (theirs, ours): {diff}"
                              + (" (only growing the number of layers is supported)" if "num_hidden_layers" in diff else "")
+                             + (" (only adding taps is supported)" if "target_layer_ids" in diff else "")
                              + " (the block size may differ)")
         sd: dict[str, torch.Tensor] = {}
         for f in sorted(p.glob("*.safetensors")):
             sd.update(load_file(str(f)))
+        if more_taps:  # fc [H, m·H]: tap j's block of columns moves to its place among our taps; new ones zero
+            H = dc.hidden_size
+            old_fc = sd["fc.weight"]
+            fc = old_fc.new_zeros(old_fc.shape[0], len(dc.target_layer_ids) * H)
+            for j, layer in enumerate(theirs.target_layer_ids):
+                k = dc.target_layer_ids.index(layer)
+                fc[:, k * H:(k + 1) * H] = old_fc[:, j * H:(j + 1) * H]
+            sd["fc.weight"] = fc
         if grow:
             own = drafter_state_dict(self.drafter)
             for i in range(theirs.num_hidden_layers, dc.num_hidden_layers):
@@ -230,6 +244,9 @@ class Trainer:
                   f"{theirs.num_hidden_layers}-{dc.num_hidden_layers - 1} new (identity at start)", flush=True)
         if "block_size" in diff:
             print(f"[train] block size {theirs.block_size} -> {dc.block_size} (weights of {path} unchanged)", flush=True)
+        if more_taps:
+            print(f"[train] taps {theirs.target_layer_ids} -> {dc.target_layer_ids} (the new taps' fc columns start at zero)",
+                  flush=True)
 
     # ------------------------------------------------------------------ one step
     def _step_generator(self, step: int) -> torch.Generator:

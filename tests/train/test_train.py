@@ -550,6 +550,34 @@ def test_init_from_grows_a_deeper_drafter(target, token_files, tmp_path):
                      init_from=str(tmp_path / "b" / "drafter")))
 
 
+def test_init_from_adds_taps(target, token_files, tmp_path):
+    """A drafter that taps more target layers, started from a trained one (``init_from`` with a superset of
+    its ``target_layer_ids``): each trained tap's block of fc's columns moves to its new place, the new taps'
+    columns start at zero, so the loss on the same batch is the trained drafter's; training then uses the
+    new taps. Dropping a tap is refused."""
+    first = Trainer(_cfg(target, token_files, tmp_path / "a", steps=4, eval_data=None))  # TAPS = [0, 2] of 4 layers
+    # (the last layer, 3, cannot be tapped: HF returns its output normalised)
+    first.train()
+    src = str(tmp_path / "a" / "drafter")
+    more = Trainer(_cfg(target, token_files, tmp_path / "b", steps=3, eval_data=None, target_layer_ids=[0, 1, 2],
+                        init_from=src))
+    want, got = drafter_state_dict(first.drafter), drafter_state_dict(more.drafter)
+    assert all(torch.equal(want[k], got[k]) for k in want if k != "fc.weight")
+    H = want["fc.weight"].shape[0]
+    fc = got["fc.weight"]
+    assert fc.shape == (H, 3 * H)
+    assert torch.equal(fc[:, :H], want["fc.weight"][:, :H]) and torch.equal(fc[:, 2 * H:3 * H], want["fc.weight"][:, H:])
+    assert not fc[:, H:2 * H].any()
+    with torch.no_grad():
+        a, b = first._train_loss(0), more._train_loss(0)
+    assert abs(a.total.item() - b.total.item()) < 1e-5 and abs(a.tau_prob.item() - b.tau_prob.item()) < 1e-5
+    more.train()
+    assert drafter_state_dict(more.drafter)["fc.weight"][:, H:2 * H].any()
+    assert json.loads((tmp_path / "b" / "drafter" / "config.json").read_text())["target_layer_ids"] == [0, 1, 2]
+    with pytest.raises(ValueError, match="only adding taps"):
+        Trainer(_cfg(target, token_files, tmp_path / "c", eval_data=None, target_layer_ids=[0], init_from=src))
+
+
 def test_time_budget_refits_the_step_count_from_real_steps(target, token_files, tmp_path, monkeypatch):
     """The planner's estimate is replaced at each REPLANS step by one from the measured pace of the real
     steps since its window began; a split run (stop_after_s, then resume) keeps the schedule."""
