@@ -42,30 +42,45 @@ _spec.loader.exec_module(_t1)
 BINS = (0.0, 0.25, 0.5, 1.0, 2.0, 3.0, 4.0, float("inf"))  # target entropy, nats
 
 
-@torch.no_grad()
-def rows(tr, data: TokenData, n: int, max_new: int, max_prompt: int, G: int) -> dict[str, torch.Tensor]:
-    """Per (anchor, slot) with a label: slot index, target entropy, 1 − TV, target argmax agreement."""
-    out: dict[str, list] = {"slot": [], "entropy": [], "acc": [], "agree": []}
+def responses(data: TokenData, n: int, max_new: int, max_prompt: int):
+    """(prompt, response) token lists of the first n sequences with a prompt of at most max_prompt tokens
+    and a response of at least 2 (cut to its first max_new tokens)."""
     used = 0
     for i in range(len(data)):
         t, m = data.sequence(i)
         if int((~m).sum()) > max_prompt or int(m.sum()) < 2:
             continue
-        prompt, resp = t[~m].tolist(), t[m].tolist()[:max_new]
+        yield t[~m].tolist(), t[m].tolist()[:max_new]
+        used += 1
+        if used == n:
+            return
+
+
+def entropy(p: torch.Tensor) -> torch.Tensor:
+    return -(p * p.clamp(min=1e-30).log()).sum(-1)
+
+
+def collect(out: dict[str, list], used: int) -> dict:
+    return {k: torch.cat(v) for k, v in out.items()} | {"sequences": used}
+
+
+@torch.no_grad()
+def rows(tr, data: TokenData, n: int, max_new: int, max_prompt: int, G: int) -> dict[str, torch.Tensor]:
+    """Per (anchor, slot) with a label: slot index, target entropy, 1 − TV, target argmax agreement."""
+    out: dict[str, list] = {"slot": [], "entropy": [], "acc": [], "agree": []}
+    used = 0
+    for prompt, resp in responses(data, n, max_new, max_prompt):
         seq = prompt + resp
         anchors = list(range(len(prompt), len(seq) - 1))
         dl, tl = _t1.tf_logits(tr, seq, anchors, G)  # [K, G, V]
         q, p = dl.softmax(-1), tl.softmax(-1)
         lab = (torch.tensor(anchors)[:, None] + torch.arange(1, G + 1)[None]) < len(seq)  # [K, G]
-        ent = -(p * p.clamp(min=1e-30).log()).sum(-1)
         out["slot"].append(torch.arange(G).expand_as(lab)[lab])
-        out["entropy"].append(ent[lab])
+        out["entropy"].append(entropy(p)[lab])
         out["acc"].append(_t1.one_minus_tv(q, p)[lab])
         out["agree"].append((dl.argmax(-1) == tl.argmax(-1))[lab].float())
         used += 1
-        if used == n:
-            break
-    return {k: torch.cat(v) for k, v in out.items()} | {"sequences": used}
+    return collect(out, used)
 
 
 @torch.no_grad()
@@ -78,11 +93,7 @@ def skip_layer_rows(tr, data: TokenData, n: int, max_new: int, max_prompt: int, 
     target = tr.target
     out: dict[str, list] = {"entropy": [], "acc": [], "agree": []}
     used = 0
-    for i in range(len(data)):
-        t, m = data.sequence(i)
-        if int((~m).sum()) > max_prompt or int(m.sum()) < 2:
-            continue
-        prompt, resp = t[~m].tolist(), t[m].tolist()[:max_new]
+    for prompt, resp in responses(data, n, max_new, max_prompt):
         x, L = torch.tensor(prompt + resp)[None], len(prompt)
         # position j predicts token j + 1: the response's second token on (slot 1 of the anchor at j)
         lp = target.compute_logits(target_forward(target, x)[0][0, L:-1])
@@ -93,14 +104,12 @@ def skip_layer_rows(tr, data: TokenData, n: int, max_new: int, max_prompt: int, 
         finally:
             del layer.forward
         p = lp.softmax(-1)
-        out["entropy"].append(-(p * p.clamp(min=1e-30).log()).sum(-1))
+        out["entropy"].append(entropy(p))
         out["acc"].append(_t1.one_minus_tv(ls.softmax(-1), p))
         out["agree"].append((ls.argmax(-1) == lp.argmax(-1)).float())
         used += 1
-        if used == n:
-            break
-    r = {k: torch.cat(v) for k, v in out.items()}
-    return r | {"slot": torch.zeros_like(r["acc"], dtype=torch.long), "sequences": used}
+    r = collect(out, used)
+    return r | {"slot": torch.zeros_like(r["acc"], dtype=torch.long)}
 
 
 def summarise(r: dict, G: int) -> dict:
