@@ -108,8 +108,8 @@ class EngineConfig:
     # With CUDA graphs, when no request decodes (a first wave of prompts, an idle server's long prompt):
     # cut the prefill chunks of requests the graphs can take to the graph's rows, so that a prompt longer
     # than them runs as graph steps instead of one eager step (H200: an 846-token prompt's eager prefill
-    # took 17 ms plain, 37 ms with DSpark, against ~2 ms per graph step; session 36). Off until measured
-    # end to end on the GPU (docs/benchmarks.md, session 36, "Next").
+    # took 17 ms plain, 37 ms with DSpark, against ~2 ms per graph step; session 36). Off: measured end to
+    # end in session 38, no gain at batch 1 or 32 (docs/benchmarks.md); a long prompt's TTFT not measured.
     graph_prefill_alone: bool = False
     # Throwaway requests at start-up (LLMEngine.warm_up), so the first real ones do not pay for Triton
     # compiles of the eager paths; None: on CUDA only (on a CPU there is nothing to compile).
