@@ -13,7 +13,22 @@ denominator only: ``o = Σ_j e^{s_j} v_j / (Σ_j e^{s_j} + e^{sink_h})``.
 Why the shared-tile kernel (seed 001's "v2"): every query row of a request attends to the same keys,
 so one program per (request, KV head) stacks all γ × G query rows (G = Hq / Hkv heads sharing the KV
 head: 15 rows for SmolLM2 at γ = 5) into one tile and streams each context K/V tile once, through
-``tl.dot``. The naive kernel (one program per (draft row, query head), seed 001's "v1") rereads the
+``tl.dot``.
+
+Why row tiles: the stack is γ × G rows of head_dim columns, and its fp32 accumulator (with the query rows)
+stays in registers through the key loop. SmolLM2's 21 × 64 fits one tile easily; DeepSeek-V4-Flash's
+drafter (seed 001's shape: 64 query heads, 32 per GPU at TP 2, one 512-wide KV head, γ = 5 block rows, a
+128-token sliding window, per-head sinks) stacks 160-320 rows × 512, far past any register file. The rows
+are then cut into ``row_tiles`` tiles of ``block_m`` consecutive rows (``drafter_launch``: at most
+DRAFTER_MAX_TILE values per tile, 32 rows at head_dim 512), one program per (request, KV head × row
+tile, key slice), each streaming the context once: the request's context is read once per row tile
+(the tiles of one KV head are neighbours in the grid, so likely from L2 after the first) instead of once
+per (row, head), and the split count is chosen for all these programs. Shapes under the cap keep one
+tile and exactly the launch they had. Seed 001 (vLLM PR, RTX PRO 6000 Blackwell, V4-Flash shape)
+measured v1 (naive) at 24.7 µs at batch 1 and 201.8 µs at batch 12, v2 (shared tile) at 14.8 and 15.2
+µs: 13.3x at batch 12 (``benchmarks/kernel_attention_bench.py --seed-shape`` times this kernel there).
+
+The naive kernel (one program per (draft row, query head), seed 001's "v1") rereads the
 whole context γ × Hq times; it is kept only to measure against. Like the paged decode kernel, the loop
 bound comes from each request's ``ctx_len`` at run time and the key range can be split over several
 programs (flash-decoding) when the batch is too small to fill the GPU; the wrappers never read tensor
@@ -57,14 +72,17 @@ def _drafter_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr, HAS_SINK: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """Program (b, kv head, split): all γ × G query rows of request b for that KV head, against slice
-    ``split`` of its context; split 0 also takes the γ block rows."""
+    """Program (b, kv head × row tile, split): rows [t·BLOCK_M, (t + 1)·BLOCK_M) of the γ × G query rows
+    of request b for that KV head (row tile t), against slice ``split`` of its context; split 0 also
+    takes the γ block rows."""
     b = tl.program_id(0).to(tl.int64)
-    kvh = tl.program_id(1)
+    row_tiles = (GAMMA * G + BLOCK_M - 1) // BLOCK_M  # a constexpr: with one tile, kvh and r fold as before
+    kvh = tl.program_id(1) // row_tiles
     split = tl.program_id(2)
     ctx_len = tl.load(ctx_lens_ptr + b).to(tl.int64)
 
-    r = tl.arange(0, BLOCK_M)  # tile row r = (block row r // G, head kvh * G + r % G)
+    # stacked row r = (block row r // G, head kvh * G + r % G)
+    r = tl.program_id(1) % row_tiles * BLOCK_M + tl.arange(0, BLOCK_M)
     qi = r // G
     head = kvh * G + r % G
     row_ok = r < GAMMA * G
@@ -77,7 +95,7 @@ def _drafter_attention_kernel(
     acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
 
     # The block's own rows: every query row sees all γ of them. Only split 0 takes them (masked
-    # loads elsewhere fetch nothing), so they count once.
+    # loads elsewhere fetch nothing), so they count once per row (each row is in one row tile).
     j = tl.arange(0, BLOCK_G)
     j_ok = (j < GAMMA) & (split == 0)
     jd_mask = j_ok[:, None] & d_ok[None, :]
@@ -193,6 +211,34 @@ def _kv_args(k_block, v_block, k_cache, v_cache, block_tables) -> tuple[int, ...
 # context 128-4,000 (batch 1: -0.2 to -0.4 µs; batch 12 at 1,000 keys: 9.9 -> 8.8 µs).
 DRAFTER_TUNING = {"block_n": 64, "num_warps": 2, "num_stages": 2}
 
+# Past SmolLM2's shapes (chosen, not measured; --seed-shape times them): a row tile and a key tile hold at
+# most DRAFTER_MAX_TILE values of BLOCK_D columns. The query rows and their fp32 accumulator stay in
+# registers through the whole key loop, a K and a V tile per pipeline stage in shared memory: at head_dim 512
+# (V4's drafter) that is 32 rows and 32 keys — a 32 x 512 accumulator, and 32 KB of bf16 per K or V tile,
+# 128 KB for both at 2 stages of the H200's 227 KB (twice that in fp32, not a shape the engine runs) — where
+# one tile of all 160-320 rows would be 256-512 x 512. SmolLM2 (21 rows x 64) is far below the cap: one row tile,
+# DRAFTER_TUNING's launch unchanged. The warps grow with the row tile so that a thread holds at most 64
+# accumulator values (SmolLM2's 32 x 64 tile over 2 warps holds 32): 8 warps for 32 x 512.
+DRAFTER_MAX_TILE = 16384
+ACC_PER_WARP = 64 * 32
+
+
+def drafter_launch(gamma: int, G: int, head_dim: int, block_m: int | None = None) -> dict:
+    """The shared-tile kernel's default launch for γ block rows of G query heads per KV head: ``block_m``
+    (rows per tile; the whole γ × G stack in one tile of at least 16 rows for ``tl.dot`` unless that
+    passes DRAFTER_MAX_TILE, else row tiles of DRAFTER_MAX_TILE / BLOCK_D rows), ``row_tiles``,
+    ``block_n``, ``num_warps``, ``num_stages``. A given ``block_m`` (a power of two >= 16) replaces the rule's."""
+    block_d = next_pow2(head_dim)
+    cap = max(16, DRAFTER_MAX_TILE // block_d)
+    if block_m is None:
+        block_m = min(next_pow2(max(16, gamma * G)), cap)
+    elif block_m < 16 or block_m & (block_m - 1):
+        raise ValueError(f"block_m must be a power of two >= 16, got {block_m}")
+    return {"block_m": block_m, "row_tiles": -(-gamma * G // block_m),
+            "block_n": min(DRAFTER_TUNING["block_n"], cap),
+            "num_warps": max(DRAFTER_TUNING["num_warps"], block_m * block_d // ACC_PER_WARP),
+            "num_stages": DRAFTER_TUNING["num_stages"]}
+
 
 def drafter_attention(
     q: torch.Tensor,  # [B, γ, Hq, D] block query rows (after RoPE)
@@ -207,14 +253,16 @@ def drafter_attention(
     *,
     max_ctx_len: int | None = None,
     num_splits: int | None = None,
+    block_m: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Shared-tile drafter attention -> [B, γ, Hq, D]. ``max_ctx_len`` (a hint: the context bucket a
-    graph is captured for) caps the split count; ``num_splits`` / ``block_n`` / ``num_warps`` /
-    ``num_stages`` override the tuning (DRAFTER_TUNING)."""
+    graph is captured for) caps the split count; ``num_splits`` / ``block_m`` (the row tile, a power of
+    two >= 16) / ``block_n`` / ``num_warps`` / ``num_stages`` override the default launch
+    (``drafter_launch``: DRAFTER_TUNING, row tiles and more warps past DRAFTER_MAX_TILE)."""
     B, gamma, Hq, Hkv, D = _check(q, k_block, v_block, k_cache, v_cache, block_tables, ctx_lens, sinks)
     G = Hq // Hkv
     if out is None:
@@ -222,8 +270,9 @@ def drafter_attention(
     assert out.shape == q.shape and out.is_contiguous()
     if B == 0:
         return out
-    block_n = block_n or DRAFTER_TUNING["block_n"]
-    splits = num_splits or default_num_splits(B * Hkv, q.device, max_ctx_len, block_n)
+    launch = drafter_launch(gamma, G, D, block_m)
+    block_n = block_n or launch["block_n"]
+    splits = num_splits or default_num_splits(B * Hkv * launch["row_tiles"], q.device, max_ctx_len, block_n)
     if splits == 1:
         target, lse = out, out  # lse unused
         so = (*out.stride()[:3], 0, 0, 0, 0)
@@ -231,15 +280,15 @@ def drafter_attention(
         target = torch.empty(B, gamma, Hq, splits, D, dtype=torch.float32, device=q.device)
         lse = torch.empty(B, gamma, Hq, splits, dtype=torch.float32, device=q.device)
         so = (*target.stride()[:4], *lse.stride()[:3])
-    _drafter_attention_kernel[(B, Hkv, splits)](
+    _drafter_attention_kernel[(B, Hkv * launch["row_tiles"], splits)](
         q, k_block, v_block, k_cache, v_cache, target, lse, sinks if sinks is not None else q,
         block_tables, ctx_lens, scale * LOG2E,
         *q.stride()[:3], *_kv_args(k_block, v_block, k_cache, v_cache, block_tables), *so,
         GAMMA=gamma, G=G, PAGE=k_cache.shape[1], HEAD_DIM=D,
-        BLOCK_M=next_pow2(max(16, gamma * G)), BLOCK_G=next_pow2(max(16, gamma)), BLOCK_N=block_n,
+        BLOCK_M=launch["block_m"], BLOCK_G=next_pow2(max(16, gamma)), BLOCK_N=block_n,
         BLOCK_D=next_pow2(D), NUM_SPLITS=splits, HAS_SINK=sinks is not None,
-        DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps or DRAFTER_TUNING["num_warps"],
-        num_stages=num_stages or DRAFTER_TUNING["num_stages"],
+        DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps or launch["num_warps"],
+        num_stages=num_stages or launch["num_stages"],
     )
     if splits > 1:
         combine_splits(target.view(B * gamma, Hq, splits, D), lse.view(B * gamma, Hq, splits),
@@ -260,17 +309,20 @@ def drafter_attention_naive(
     *,
     block_n: int | None = None,
 ) -> torch.Tensor:
-    """One program per (draft row, query head): rereads the context γ × Hq times. For comparison."""
+    """One program per (draft row, query head): rereads the context γ × Hq times. For comparison. Its K
+    and V tiles sit in registers (no tl.dot): the default key tile, 64 up to head_dim 128, shrinks past
+    it to keep 64 × 128 values per tile (16 keys at head_dim 512)."""
     B, gamma, Hq, Hkv, D = _check(q, k_block, v_block, k_cache, v_cache, block_tables, ctx_lens, sinks)
     out = q.new_empty(B, gamma, Hq, D)
     if B == 0:
         return out
+    block_n = block_n or max(1, 64 * 128 // max(128, next_pow2(D)))
     _drafter_attention_naive_kernel[(B * gamma, Hq)](
         q, k_block, v_block, k_cache, v_cache, out, sinks if sinks is not None else q,
         block_tables, ctx_lens, scale * LOG2E,
         *q.stride()[:3], *_kv_args(k_block, v_block, k_cache, v_cache, block_tables), *out.stride()[:3],
         GAMMA=gamma, G=Hq // Hkv, PAGE=k_cache.shape[1], HEAD_DIM=D,
-        BLOCK_G=next_pow2(gamma), BLOCK_N=block_n or 64, BLOCK_D=next_pow2(D), HAS_SINK=sinks is not None,
+        BLOCK_G=next_pow2(gamma), BLOCK_N=block_n, BLOCK_D=next_pow2(D), HAS_SINK=sinks is not None,
         num_warps=2,
     )
     return out
@@ -306,4 +358,5 @@ def drafter_attention_ref(
     return torch.einsum("bhij,bjhd->bihd", p, values).to(q.dtype)
 
 
-__all__ = ["drafter_attention", "drafter_attention_naive", "drafter_attention_ref"]
+__all__ = ["drafter_attention", "drafter_attention_naive", "drafter_attention_ref", "drafter_launch",
+           "DRAFTER_TUNING", "DRAFTER_MAX_TILE"]

@@ -12,9 +12,11 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 
 from dspark.kernels.drafter_attention import (  # noqa: E402
+    DRAFTER_TUNING,
     drafter_attention,
     drafter_attention_naive,
     drafter_attention_ref,
+    drafter_launch,
 )
 from dspark.layers.attention import context_slots  # noqa: E402
 
@@ -60,12 +62,56 @@ def test_shared_tile_matches_reference(gamma, heads, head_dim, sinks, num_splits
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("heads", [(16, 1), (12, 2)], ids=["g16", "g6"])
+@pytest.mark.parametrize("sinks", [False, True], ids=["nosink", "sink"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_row_tiles_match_reference(heads, sinks, num_splits):
+    """16-row tiles: (16, 1) stacks 5 × 16 rows into 5 full tiles of one block row each; (12, 2) stacks 5 × 6
+    rows per KV head into tiles of 16 and 14 rows, the first ending inside block row 2, over two KV heads."""
+    x = make_inputs(CTX, gamma=5, heads=heads, head_dim=32, page=4, seed=3)
+    s = torch.randn(heads[0], generator=torch.Generator().manual_seed(5)) * 2 if sinks else None
+    out = drafter_attention(**x, sinks=s, num_splits=num_splits, block_m=16, block_n=16)
+    torch.testing.assert_close(out, drafter_attention_ref(**x, sinks=s), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_head_dim_512_matches_reference(num_splits):
+    """DeepSeek-V4's drafter head_dim at the default launch: 32-row tiles (40 rows: one full, one of 8), sinks."""
+    x = make_inputs([0, 5, 37], gamma=5, heads=(8, 1), head_dim=512, page=4, seed=4)
+    s = torch.randn(8, generator=torch.Generator().manual_seed(5)) * 2
+    assert drafter_launch(5, 8, 512)["row_tiles"] == 2
+    out = drafter_attention(**x, sinks=s, num_splits=num_splits)
+    torch.testing.assert_close(out, drafter_attention_ref(**x, sinks=s), atol=2e-5, rtol=1e-5)
+
+
+def test_default_launch():
+    """SmolLM2's drafter (γ 7, 9 query / 3 KV heads, head_dim 64) keeps one 32-row tile and DRAFTER_TUNING's
+    launch, the one its timings were measured with; V4's (γ 5, 32 or 64 heads on one 512-wide KV head) gets
+    32-row tiles, 32-key tiles and 8 warps."""
+    assert drafter_launch(7, 3, 64) == {"block_m": 32, "row_tiles": 1, **DRAFTER_TUNING}
+    assert drafter_launch(5, 3, 64) == {"block_m": 16, "row_tiles": 1, **DRAFTER_TUNING}
+    for G, tiles in ((32, 5), (64, 10)):
+        assert drafter_launch(5, G, 512) == {"block_m": 32, "row_tiles": tiles, "block_n": 32, "num_warps": 8,
+                                             "num_stages": DRAFTER_TUNING["num_stages"]}
+    assert drafter_launch(5, 64, 512, block_m=64)["row_tiles"] == 5
+    with pytest.raises(ValueError):
+        drafter_launch(5, 3, 64, block_m=24)
+
+
 @pytest.mark.parametrize("sinks", [False, True], ids=["nosink", "sink"])
 def test_naive_matches_reference(sinks):
     x = make_inputs([0, 21], gamma=3, heads=(3, 1), head_dim=32, page=4)
     s = torch.randn(3, generator=torch.Generator().manual_seed(5)) if sinks else None
     out = drafter_attention_naive(**x, sinks=s, block_n=8)
     torch.testing.assert_close(out, drafter_attention_ref(**x, sinks=s), atol=2e-5, rtol=1e-5)
+
+
+def test_naive_head_dim_512():
+    """At its default key tile there (16 keys)."""
+    x = make_inputs([0, 5, 37], gamma=5, heads=(4, 1), head_dim=512, page=4, seed=6)
+    s = torch.randn(4, generator=torch.Generator().manual_seed(5)) * 2
+    torch.testing.assert_close(drafter_attention_naive(**x, sinks=s), drafter_attention_ref(**x, sinks=s),
+                               atol=2e-5, rtol=1e-5)
 
 
 def test_int32_tables_and_strided_views():
