@@ -8,6 +8,10 @@ at SmolLM2-135M's attention shapes (9 query heads, 3 KV heads, head_dim 64), bf1
 - Drafter attention, batch 1 / 12, γ = 5 / 7, context 1,000: the shared-tile kernel, the naive
   one-program-per-(row, head) kernel, and the engine's PyTorch path (gather through the slots,
   concatenate the block, masked SDPA, as DSparkProposer.propose + DrafterLayer.forward do).
+- ``--seed-shape``: the drafter kernels alone at seed 001's shape instead (DeepSeek-V4-Flash's drafter: 32 or 64
+  query heads on one KV head of head_dim 512, γ = 5, context 128 / 512, per-head sinks; batch 1-12; row tiles), with
+  a launch sweep at batch 12 (``seed_shape``). Seed 001 (vLLM PR, RTX PRO 6000 Blackwell) measured its naive kernel
+  ("v1") at 24.7 µs at batch 1 and 201.8 µs at batch 12, its shared tile ("v2") at 14.8 and 15.2 µs (13.3x).
 
 Every path is first checked against the PyTorch reference on the GPU (bf16 inputs, plus one fp32
 case each), and each kernel is captured once in a CUDA graph and replayed after its lengths changed
@@ -16,6 +20,7 @@ do_bench_cudagraph: GPU time without launch overhead, as the engine's captured s
 median in microseconds. Prints a table; ``--out`` writes the results as JSON.
 
 Usage: python benchmarks/kernel_attention_bench.py --out out/kernel_attention.json [--quick] [--drafter-sweep] [--paged-sweep]
+       [--drafter-scaling | --drafter-floor | --seed-shape]
 """
 
 from __future__ import annotations
@@ -56,7 +61,9 @@ def paged_inputs(B: int, ctx: int, q_len: int, dtype: torch.dtype, device: str, 
     )
 
 
-def drafter_inputs(B: int, gamma: int, ctx: int, dtype: torch.dtype, device: str, seed: int = 0) -> dict:
+def drafter_inputs(B: int, gamma: int, ctx: int, dtype: torch.dtype, device: str, seed: int = 0, *, hq: int = HQ,
+                   hkv: int = HKV, head_dim: int = HEAD_DIM) -> dict:
+    """B requests with ``ctx`` context entries each on shuffled blocks, γ block rows; SmolLM2's heads unless given."""
     g = torch.Generator(device=device).manual_seed(seed)
     per = -(-ctx // PAGE)
     num_blocks = 1 + B * per
@@ -65,10 +72,10 @@ def drafter_inputs(B: int, gamma: int, ctx: int, dtype: torch.dtype, device: str
     def rnd(*shape):
         return torch.randn(*shape, generator=g, device=device).to(dtype)
 
-    return dict(q=rnd(B, gamma, HQ, HEAD_DIM), k_block=rnd(B, gamma, HKV, HEAD_DIM), v_block=rnd(B, gamma, HKV, HEAD_DIM),
-                k_cache=rnd(num_blocks, PAGE, HKV, HEAD_DIM), v_cache=rnd(num_blocks, PAGE, HKV, HEAD_DIM),
+    return dict(q=rnd(B, gamma, hq, head_dim), k_block=rnd(B, gamma, hkv, head_dim), v_block=rnd(B, gamma, hkv, head_dim),
+                k_cache=rnd(num_blocks, PAGE, hkv, head_dim), v_cache=rnd(num_blocks, PAGE, hkv, head_dim),
                 block_tables=ids[: B * per].view(B, per).long(), ctx_lens=torch.full((B,), ctx, device=device),
-                scale=SCALE)
+                scale=head_dim**-0.5)
 
 
 def time_us(fn) -> tuple[float, str]:
@@ -230,6 +237,117 @@ def drafter_floor(dtype, checks, rows) -> None:
               f"naive B12 {naive12:.2f} = {naive12 / best['us']:.2f}x", flush=True)
 
 
+# Seed 001's shape: DeepSeek-V4-Flash's drafter attention (64 query heads, 32 per GPU at TP 2, on one KV head of
+# head_dim 512, γ = 5 block rows, a 128-token sliding-window context, per-head sinks), and its figures (vLLM PR, RTX
+# PRO 6000 Blackwell), µs: v1 the naive kernel, v2 the shared tile.
+SEED_HQ, SEED_HEAD_DIM, SEED_GAMMA, SEED_CONTEXTS, SEED_BATCHES = (32, 64), 512, 5, (128, 512), (1, 2, 4, 8, 12)
+SEED_001 = {"device": "RTX PRO 6000 Blackwell", "naive_B1": 24.7, "naive_B12": 201.8, "shared_B1": 14.8,
+            "shared_B12": 15.2}
+
+
+def seed_shape(dtype, checks, rows, skipped) -> None:
+    """Seed 001's shape (SEED_*; Hkv 1, per-head sinks throughout) at Hq 32 and 64, context 128 and 512, batch 1-12:
+    the shared-tile kernel at the wrapper's launch (row tiles: drafter_launch) and the naive kernel, each checked
+    against the reference (and once more at ragged contexts, batch 4) and timed. At batch 12 the shared-tile launch is
+    swept in two steps, to keep the run near 90 timings (each ~0.5-1 s) and 80 compiles: the tile shape, block_m
+    {16, 32, 64} x block_n {16, 32, 64} x warps {4, 8} at the wrapper's split count for it, once per Hq at context
+    128 (a shape's cost per key tile should not depend on the context), then the split count, {1, 2, 4} and the
+    wrapper's, at the fastest shape in each context. Launches that fail to compile or launch (shared memory, a
+    compiler error) are recorded in ``skipped``; a wrong result stops the run. Prints per (Hq, context) the issue's
+    floors: batch 12 within 1.3x of batch 1, and >= 5x the naive kernel at batch 12."""
+    from dspark.kernels.drafter_attention import (
+        drafter_attention,
+        drafter_attention_naive,
+        drafter_attention_ref,
+        drafter_launch,
+    )
+    from dspark.kernels.paged_attention import default_num_splits
+
+    print(f"seed 001 ({SEED_001['device']}): shared {SEED_001['shared_B1']} us at B1, {SEED_001['shared_B12']} at "
+          f"B12 ({SEED_001['shared_B12'] / SEED_001['shared_B1']:.2f}x); naive {SEED_001['naive_B1']} / "
+          f"{SEED_001['naive_B12']} ({SEED_001['naive_B12'] / SEED_001['shared_B12']:.1f}x shared at B12)")
+    D, gamma = SEED_HEAD_DIM, SEED_GAMMA
+    for hq in SEED_HQ:
+        heads = dict(hq=hq, hkv=1, head_dim=D)
+        sinks = torch.randn(hq, device="cuda")
+        x = drafter_inputs(4, gamma, 128, dtype, "cuda", seed=1, **heads)
+        x["ctx_lens"].copy_(torch.tensor([0, 1, 77, 128]))
+        ref = drafter_attention_ref(**x, sinks=sinks)
+        label = f"seed hq={hq} B=4 ctx=0/1/77/128"
+        check(f"shared-tile vs ref [{label}]", max_err(drafter_attention(**x, sinks=sinks, max_ctx_len=128), ref), 2e-2,
+              checks)
+        check(f"naive vs ref [{label}]", max_err(drafter_attention_naive(**x, sinks=sinks), ref), 2e-2, checks)
+        best_shape = None  # the fastest (block_m, block_n, num_warps) at batch 12, context 128
+        for ctx in SEED_CONTEXTS:
+            case = {"kernel": "drafter", "gamma": gamma, "ctx": ctx, **heads}
+
+            def resolved(B: int, kw: dict) -> dict:
+                """drafter_attention's launch arguments kw, the wrapper's defaults filled in."""
+                lm = drafter_launch(gamma, hq, D, kw.get("block_m"))
+                n = kw.get("block_n") or lm["block_n"]
+                splits = kw.get("num_splits") or default_num_splits(B * lm["row_tiles"], torch.device("cuda"), ctx, n)
+                return {"block_m": lm["block_m"], "row_tiles": lm["row_tiles"], "block_n": n,
+                        "num_warps": kw.get("num_warps") or lm["num_warps"], "num_splits": splits}
+
+            for B in SEED_BATCHES:
+                x = drafter_inputs(B, gamma, ctx, dtype, "cuda", **heads)
+                label = f"seed hq={hq} B={B} ctx={ctx}"
+                print(label, flush=True)
+                ref = drafter_attention_ref(**x, sinks=sinks)
+                out = drafter_attention(**x, sinks=sinks, max_ctx_len=ctx)
+                check(f"shared-tile vs ref [{label}]", max_err(out, ref), 2e-2, checks)
+                check(f"naive vs ref [{label}]", max_err(drafter_attention_naive(**x, sinks=sinks), ref), 2e-2, checks)
+                us, how = time_us(lambda: drafter_attention(**x, sinks=sinks, max_ctx_len=ctx))
+                rows.append({**case, "B": B, "path": "shared_tile", **resolved(B, {}), "us": us, "timed_as": how})
+                us, how = time_us(lambda: drafter_attention_naive(**x, sinks=sinks))
+                rows.append({**case, "B": B, "path": "naive", "block_m": None, "us": us, "timed_as": how})
+
+            x = drafter_inputs(12, gamma, ctx, dtype, "cuda", **heads)
+            ref = drafter_attention_ref(**x, sinks=sinks)
+            swept: dict[tuple, float] = {}  # (block_m, block_n, num_warps, num_splits) -> us
+
+            def sweep(kw: dict) -> None:
+                """Check and time one launch at batch 12, or record it as skipped if it does not compile or launch."""
+                launch = resolved(12, kw)
+                name = "m{block_m}_n{block_n}_w{num_warps}_s{num_splits}".format(**launch)
+                try:
+                    out = drafter_attention(**x, sinks=sinks, max_ctx_len=ctx, **kw)
+                    torch.cuda.synchronize()
+                except Exception as e:  # out of shared memory or registers, a compiler error: record, go on
+                    skipped.append({**case, "B": 12, **launch, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+                    print(f"  skipped {name}: {type(e).__name__}", flush=True)
+                    return
+                check(f"shared-tile {name} vs ref [seed hq={hq} B=12 ctx={ctx}]", max_err(out, ref), 2e-2, checks)
+                us, how = time_us(lambda: drafter_attention(**x, sinks=sinks, max_ctx_len=ctx, **kw))
+                rows.append({**case, "B": 12, "path": name, **launch, "us": us, "timed_as": how})
+                swept[tuple(launch[k] for k in ("block_m", "block_n", "num_warps", "num_splits"))] = us
+
+            if ctx == SEED_CONTEXTS[0]:
+                for M in (16, 32, 64):
+                    for N in (16, 32, 64):
+                        for W in (4, 8):
+                            sweep(dict(block_m=M, block_n=N, num_warps=W))
+                best_shape = min(swept, key=swept.get)[:3] if swept else None
+            if best_shape is not None:
+                M, N, W = best_shape
+                if not swept:  # a later context: the shape at the wrapper's split count first
+                    sweep(dict(block_m=M, block_n=N, num_warps=W))
+                for S in (1, 2, 4):
+                    if (M, N, W, S) not in swept:
+                        sweep(dict(block_m=M, block_n=N, num_warps=W, num_splits=S))
+            mine = [r for r in rows if all(r.get(k) == v for k, v in case.items())]
+            b1 = next(r for r in mine if r["B"] == 1 and r["path"] == "shared_tile")
+            d12 = next(r for r in mine if r["B"] == 12 and r["path"] == "shared_tile")
+            naive12 = next(r for r in mine if r["B"] == 12 and r["path"] == "naive")["us"]
+            best = min((r for r in mine if r["B"] == 12 and r["path"] != "naive"), key=lambda r: r["us"])
+            print(f"hq {hq} ctx {ctx}: B1 {b1['us']:.2f} us; B12 default {d12['us']:.2f} (m{d12['block_m']} "
+                  f"n{d12['block_n']} w{d12['num_warps']} s{d12['num_splits']}) -> best {best['us']:.2f} "
+                  f"(m{best['block_m']} n{best['block_n']} w{best['num_warps']} s{best['num_splits']}); B12 / B1 "
+                  f"{d12['us'] / b1['us']:.2f}x default, {best['us'] / b1['us']:.2f}x best (floor <= 1.3x); "
+                  f"naive B12 {naive12:.2f} = {naive12 / d12['us']:.2f}x default, {naive12 / best['us']:.2f}x best "
+                  f"(floor >= 5x)", flush=True)
+
+
 def fp32_checks(checks) -> None:
     """Exact-precision kernels (fp32 inputs, IEEE products) agree with the references tightly."""
     from dspark.kernels.drafter_attention import drafter_attention, drafter_attention_ref
@@ -273,14 +391,15 @@ def graph_replay_checks(checks) -> None:
 
 def print_table(rows) -> None:
     def base_of(r):
-        keys = ("kernel", "B", "ctx", "q_len", "gamma")
+        keys = ("kernel", "B", "ctx", "q_len", "gamma", "hq")
         ref_path = "torch_backend" if r["kernel"] == "paged" else "torch_sdpa"
         return next((o["us"] for o in rows if o["path"] == ref_path and all(o.get(k) == r.get(k) for k in keys)), None)
 
     print(f"\n{'case':<34} {'path':<20} {'us':>9} {'vs torch':>9} {'KV GB/s':>9}")
     for r in rows:
+        hq = f" hq={r['hq']}" if "hq" in r else ""  # --seed-shape
         case = (f"paged {'decode' if r['q_len'] == 1 else 'verify'} B={r['B']} ctx={r['ctx']}" if r["kernel"] == "paged"
-                else f"drafter B={r['B']} gamma={r['gamma']} ctx={r['ctx']}")
+                else f"drafter{hq} B={r['B']} gamma={r['gamma']} ctx={r['ctx']}")
         bw = f"{r['kv_GBps']:9.0f}" if "kv_GBps" in r else f"{'':>9}"
         base = base_of(r)
         vs = f"{base / r['us']:8.2f}x" if base is not None else f"{'-':>9}"
@@ -305,6 +424,10 @@ def main() -> None:
                     help="only the drafter kernel at batch 1 and 12, gamma 7, context 1,000-3,000: the default launch, "
                          "the naive kernel, and at batch 12 a sweep of splits x key tile x warps x stages — is there "
                          "a context and a launch where both of the issue's floors hold?")
+    ap.add_argument("--seed-shape", action="store_true",
+                    help="only the drafter kernels at seed 001's shape (DeepSeek-V4-Flash: 32 / 64 query heads on one "
+                         "KV head of head_dim 512, gamma 5, context 128 / 512, per-head sinks), batch 1-12, with a "
+                         "launch sweep at batch 12, against the seed's figures and the issue's floors")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("kernel_attention_bench needs a CUDA GPU")
@@ -316,10 +439,13 @@ def main() -> None:
     drafter = [(B, gamma, 1000) for B in (1, 12) for gamma in (5, 7)]
     checks: list = []
     rows: list = []
+    skipped: list = []  # --seed-shape: launches that did not compile or launch
     fp32_checks(checks)
     graph_replay_checks(checks)
     if args.drafter_floor:
         drafter_floor(dtype, checks, rows)
+    elif args.seed_shape:
+        seed_shape(dtype, checks, rows, skipped)
     elif args.drafter_scaling:
         scaling = [(B, 7, ctx) for ctx in (128, 512, 1000, 4000) for B in (1, 2, 4, 8, 12, 32)]
         run_drafter(scaling, dtype, checks, rows, only=("shared_tile", "shared_tile_w4_st3", "naive", "torch_sdpa"))
@@ -327,10 +453,15 @@ def main() -> None:
         run_paged(paged, dtype, checks, rows, sweep=args.paged_sweep)
         run_drafter(drafter, dtype, checks, rows, sweep=args.drafter_sweep)
     print_table(rows)
+    shapes = ({"q_heads": list(SEED_HQ), "kv_heads": 1, "head_dim": SEED_HEAD_DIM, "page": PAGE, "gamma": SEED_GAMMA,
+               "contexts": list(SEED_CONTEXTS), "batches": list(SEED_BATCHES), "sinks": "per head"} if args.seed_shape
+              else {"q_heads": HQ, "kv_heads": HKV, "head_dim": HEAD_DIM, "page": PAGE})
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-           "dtype": "bfloat16", "shapes": {"q_heads": HQ, "kv_heads": HKV, "head_dim": HEAD_DIM, "page": PAGE},
+           "dtype": "bfloat16", "shapes": shapes,
            "timing": "median us per call; timed_as cuda_graph: CUDA-graph replay (triton.testing.do_bench_cudagraph)",
            "checks": checks, "results": rows}
+    if args.seed_shape:
+        res.update(seed_001=SEED_001, skipped=skipped)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(res, indent=2))
