@@ -249,7 +249,7 @@ def seed_shape(dtype, checks, rows, skipped) -> None:
     """Seed 001's shape (SEED_*; Hkv 1, per-head sinks throughout) at Hq 32 and 64, context 128 and 512, batch 1-12:
     the shared-tile kernel at the wrapper's launch (row tiles: drafter_launch) and the naive kernel, each checked
     against the reference (and once more at ragged contexts, batch 4) and timed. At batch 12 the shared-tile launch is
-    swept in two steps, to keep the run near 90 timings (each ~0.5-1 s) and 80 compiles: the tile shape, block_m
+    swept in two steps, to keep the run near 90 timings (~0.5-1 s each) and 70 compiles (~1 s): the tile shape, block_m
     {16, 32, 64} x block_n {16, 32, 64} x warps {4, 8} at the wrapper's split count for it, once per Hq at context
     128 (a shape's cost per key tile should not depend on the context), then the split count, {1, 2, 4} and the
     wrapper's, at the fastest shape in each context. Launches that fail to compile or launch (shared memory, a

@@ -20,11 +20,11 @@ stays in registers through the key loop. SmolLM2's 21 × 64 fits one tile easily
 drafter (seed 001's shape: 64 query heads, 32 per GPU at TP 2, one 512-wide KV head, γ = 5 block rows, a
 128-token sliding window, per-head sinks) stacks 160-320 rows × 512, far past any register file. The rows
 are then cut into ``row_tiles`` tiles of ``block_m`` consecutive rows (``drafter_launch``: at most
-DRAFTER_MAX_TILE values per tile, 32 rows at head_dim 512), one program per (request, KV head × row
+DRAFTER_ROW_TILE values per tile, 16 rows at head_dim 512), one program per (request, KV head × row
 tile, key slice), each streaming the context once: the request's context is read once per row tile
 (the tiles of one KV head are neighbours in the grid, so likely from L2 after the first) instead of once
-per (row, head), and the split count is chosen for all these programs. Shapes under the cap keep one
-tile and exactly the launch they had. Seed 001 (vLLM PR, RTX PRO 6000 Blackwell, V4-Flash shape)
+per (row, head), and the split count is chosen for all these programs. SmolLM2's shapes keep one tile
+and exactly the launch they had. Seed 001 (vLLM PR, RTX PRO 6000 Blackwell, V4-Flash shape)
 measured v1 (naive) at 24.7 µs at batch 1 and 201.8 µs at batch 12, v2 (shared tile) at 14.8 and 15.2
 µs: 13.3x at batch 12 (``benchmarks/kernel_attention_bench.py --seed-shape`` times this kernel there).
 
@@ -211,31 +211,34 @@ def _kv_args(k_block, v_block, k_cache, v_cache, block_tables) -> tuple[int, ...
 # context 128-4,000 (batch 1: -0.2 to -0.4 µs; batch 12 at 1,000 keys: 9.9 -> 8.8 µs).
 DRAFTER_TUNING = {"block_n": 64, "num_warps": 2, "num_stages": 2}
 
-# Past SmolLM2's shapes (chosen, not measured; --seed-shape times them): a row tile and a key tile hold at
-# most DRAFTER_MAX_TILE values of BLOCK_D columns. The query rows and their fp32 accumulator stay in
-# registers through the whole key loop, a K and a V tile per pipeline stage in shared memory: at head_dim 512
-# (V4's drafter) that is 32 rows and 32 keys — a 32 x 512 accumulator, and 32 KB of bf16 per K or V tile,
-# 128 KB for both at 2 stages of the H200's 227 KB (twice that in fp32, not a shape the engine runs) — where
-# one tile of all 160-320 rows would be 256-512 x 512. SmolLM2 (21 rows x 64) is far below the cap: one row tile,
-# DRAFTER_TUNING's launch unchanged. The warps grow with the row tile so that a thread holds at most 64
-# accumulator values (SmolLM2's 32 x 64 tile over 2 warps holds 32): 8 warps for 32 x 512.
-DRAFTER_MAX_TILE = 16384
-ACC_PER_WARP = 64 * 32
+# Past SmolLM2's shapes (not timed yet; --seed-shape times them): a row tile holds at most DRAFTER_ROW_TILE and
+# a K or V tile DRAFTER_KEY_TILE values of BLOCK_D columns, and the warps grow with the row tile so that a
+# thread holds at most 32 accumulator values, as over SmolLM2's 32 x 64 tile at 2 warps. The query rows and
+# their fp32 accumulator stay in registers through the whole key loop, the K and V tiles of each pipeline
+# stage in shared memory. Compiled for the H200 (sm_90, Triton 3.6, ptxas -v; not run) at head_dim 512 (V4's
+# drafter, where one tile of all 160-320 rows would be 256-512 x 512): 16-row tiles at 8 warps take 168
+# registers and no spills, with 32-key tiles 83 KB of shared memory; 32-row tiles hit the 255-register limit
+# and spill ~100 B per thread at 8 warps (~200 B at 4), 64-row ones (tensor-core wgmma there) 2-5 KB;
+# 64-key tiles need 150-360 KB of shared memory. So: 16 rows, 32 keys, 8 warps at head_dim 512 (64 rows, 8
+# warps at 128, where a 64-row tile spills at 2 warps). SmolLM2 (21 rows x 64) stays one 32-row tile with
+# DRAFTER_TUNING's launch, compiled to the same instructions as before row tiles existed.
+DRAFTER_ROW_TILE = 8192
+DRAFTER_KEY_TILE = 16384
+ACC_PER_WARP = 32 * 32
 
 
 def drafter_launch(gamma: int, G: int, head_dim: int, block_m: int | None = None) -> dict:
     """The shared-tile kernel's default launch for γ block rows of G query heads per KV head: ``block_m``
-    (rows per tile; the whole γ × G stack in one tile of at least 16 rows for ``tl.dot`` unless that
-    passes DRAFTER_MAX_TILE, else row tiles of DRAFTER_MAX_TILE / BLOCK_D rows), ``row_tiles``,
-    ``block_n``, ``num_warps``, ``num_stages``. A given ``block_m`` (a power of two >= 16) replaces the rule's."""
+    (rows per tile: the whole γ × G stack in one tile of at least 16 rows for ``tl.dot``, cut into tiles of
+    DRAFTER_ROW_TILE / BLOCK_D rows when larger), ``row_tiles``, ``block_n``, ``num_warps``, ``num_stages``.
+    A given ``block_m`` (a power of two >= 16) replaces the rule's."""
     block_d = next_pow2(head_dim)
-    cap = max(16, DRAFTER_MAX_TILE // block_d)
     if block_m is None:
-        block_m = min(next_pow2(max(16, gamma * G)), cap)
+        block_m = min(next_pow2(max(16, gamma * G)), max(16, DRAFTER_ROW_TILE // block_d))
     elif block_m < 16 or block_m & (block_m - 1):
         raise ValueError(f"block_m must be a power of two >= 16, got {block_m}")
     return {"block_m": block_m, "row_tiles": -(-gamma * G // block_m),
-            "block_n": min(DRAFTER_TUNING["block_n"], cap),
+            "block_n": min(DRAFTER_TUNING["block_n"], max(16, DRAFTER_KEY_TILE // block_d)),
             "num_warps": max(DRAFTER_TUNING["num_warps"], block_m * block_d // ACC_PER_WARP),
             "num_stages": DRAFTER_TUNING["num_stages"]}
 
@@ -262,7 +265,7 @@ def drafter_attention(
     """Shared-tile drafter attention -> [B, γ, Hq, D]. ``max_ctx_len`` (a hint: the context bucket a
     graph is captured for) caps the split count; ``num_splits`` / ``block_m`` (the row tile, a power of
     two >= 16) / ``block_n`` / ``num_warps`` / ``num_stages`` override the default launch
-    (``drafter_launch``: DRAFTER_TUNING, row tiles and more warps past DRAFTER_MAX_TILE)."""
+    (``drafter_launch``: DRAFTER_TUNING, row tiles and more warps past DRAFTER_ROW_TILE)."""
     B, gamma, Hq, Hkv, D = _check(q, k_block, v_block, k_cache, v_cache, block_tables, ctx_lens, sinks)
     G = Hq // Hkv
     if out is None:
@@ -359,4 +362,4 @@ def drafter_attention_ref(
 
 
 __all__ = ["drafter_attention", "drafter_attention_naive", "drafter_attention_ref", "drafter_launch",
-           "DRAFTER_TUNING", "DRAFTER_MAX_TILE"]
+           "DRAFTER_TUNING", "DRAFTER_ROW_TILE", "DRAFTER_KEY_TILE"]
