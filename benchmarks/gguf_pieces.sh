@@ -25,6 +25,13 @@ set -euo pipefail
 if [ -f .model/triton-cache.tar.gz ] && [ ! -d ~/.triton/cache ]; then
   mkdir -p ~/.triton && tar -C ~/.triton -xzf .model/triton-cache.tar.gz && echo "triton cache: $(ls ~/.triton/cache | wc -l) entries"
 fi
+# Token files from earlier sessions (.model/data/train-*.safetensors.gz, heldout-*.safetensors), carried by any
+# call, e.g. one of their own when they do not fit beside a piece: into /tmp/dspark_data, where every training
+# call of benchmarks/train_gpu_split.sh finds them (trained on, and the held-out files evaluated).
+mkdir -p /tmp/dspark_data
+for f in .model/data/train-*.safetensors.gz; do if [ -f "$f" ]; then gunzip -c "$f" > "/tmp/dspark_data/$(basename "$f" .gz)"; fi; done
+for f in .model/data/heldout-*.safetensors; do if [ -f "$f" ]; then cp "$f" /tmp/dspark_data/; fi; done
+ls /tmp/dspark_data/*.safetensors > /dev/null 2>&1 && echo "token files in /tmp/dspark_data: $(ls /tmp/dspark_data | tr '\n' ' ')"
 SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 for f in .model/smollm.gguf.gz.p_* .model/smollm.gguf.p30_* .model/smollm.gguf.part_a?; do [ -f "$f" ] && cp "$f" /tmp/; done
 if [ ! -f /tmp/smollm.gguf ]; then

@@ -51,10 +51,8 @@ mkdir -p $RES
 # shellcheck disable=SC2206
 COMMON=(--model /tmp/smollm.gguf --out $RES --work /tmp/dspark_train --prompt-source $PROMPTS ${EXTRA:-})
 command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
-CARRIED=/tmp/dspark_data
+CARRIED=/tmp/dspark_data  # token files this call or an earlier one carried (gguf_pieces.sh unpacks them)
 mkdir -p $CARRIED
-for f in .model/data/train-*.safetensors.gz; do if [ -f "$f" ]; then gunzip -c "$f" > "$CARRIED/$(basename "$f" .gz)"; fi; done
-for f in .model/data/heldout-*.safetensors; do if [ -f "$f" ]; then cp "$f" $CARRIED/; fi; done
 data_flags() {  # the token files in $CARRIED: trained on (--extra-data) and evaluated (--eval-data)
   DATA_FLAGS=()
   TRAIN_FILES=$(ls $CARRIED/train-*.safetensors 2>/dev/null | paste -sd, - || true)
