@@ -144,7 +144,10 @@ def run(system: str, a, prompts_text: list[str]) -> dict:
         return res
 
     runner.execute = execute
-    prompts = [llm.engine.tokenize_chat([{"role": "user", "content": t}]) for t in prompts_text]
+    from dspark.train.data import chat_prompt_ids
+
+    # room for the new tokens under max_model_len (longer prompts are dropped, as `dspark bench` drops them)
+    prompts = chat_prompt_ids(llm.engine, prompts_text, 2048 - a.max_tokens - 16)
     p = SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens, ignore_eos=True, seed=None)
     llm.generate(prompts[:a.batch], SamplingParams(temperature=a.temperature, max_tokens=16, ignore_eos=True))
     steps = [0]

@@ -127,15 +127,19 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 def format_spec_stats(engine) -> str:
     st = engine.spec_stats
+    cs = engine.runner.conf_sched
+    sched = ("" if cs is None else
+             f"; confidence scheduling: {cs.stats['drafts_kept']}/{cs.stats['drafts_made']} drafts verified, "
+             f"{cs.stats['paused_steps']} steps without drafting")
     if not st.num_steps:
-        return "[dspark] speculation: no verification steps"
+        return "[dspark] speculation: no verification steps" + sched
     cond = " ".join("-" if c is None else f"{c:.2f}" for c in st.conditional_acceptance)
     return (f"[dspark] DSpark: tau {st.tau:.2f} tokens/step over {st.num_steps} steps, "
             f"{st.num_accepted}/{st.num_drafts} drafts accepted; conditional acceptance by position: {cond}; "
             f"draft {st.draft_time_s * 1000 / st.num_steps:.1f} ms/step, "
             f"verify {st.verify_time_s * 1000 / st.num_steps:.1f} ms/step"
             + (f"; steps by drafts verified (adaptive): {dict(sorted(st.length_steps.items()))}"
-               if len(st.length_steps) > 1 else ""))
+               if len(st.length_steps) > 1 else "") + sched)
 
 
 def cmd_init_drafter(a: argparse.Namespace) -> int:

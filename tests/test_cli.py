@@ -50,7 +50,7 @@ def test_generate_with_random_drafter_prints_acceptance(tmp_path):
     r = dspark("init-drafter", "--out", str(tmp_path / "d"), "--num-layers", "1")
     assert r.returncode == 0, r.stderr
     r = dspark("generate", "--device", "cpu", "--chat", "Say hi.", "--max-tokens", "8",
-               "--speculative-config", f'{{"model": "{tmp_path / "d"}", "num_speculative_tokens": 3}}')
+               "--speculative-config", f'{{"model": "{tmp_path / "d"}", "num_speculative_tokens": 3, "confidence_scheduling": false}}')
     assert r.returncode == 0, r.stderr
     assert "DSpark: tau" in r.stderr and "conditional acceptance by position" in r.stderr
 

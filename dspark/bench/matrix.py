@@ -187,6 +187,13 @@ def _length_steps(system) -> dict[int, int]:
     return dict(llm.engine.spec_stats.length_steps) if llm is not None else {}
 
 
+def _sched_stats(system) -> dict[str, int] | None:
+    """A dspark system's confidence-scheduling counts so far (ConfidenceScheduler.stats); None without it."""
+    llm = getattr(system, "llm", None)
+    cs = llm.engine.runner.conf_sched if llm is not None else None
+    return dict(cs.stats) if cs is not None else None
+
+
 def _length_changes(system) -> int | None:
     """An adaptive engine's verify-length changes so far (VerifyLengthPolicy.changes); None otherwise."""
     llm = getattr(system, "llm", None)
@@ -605,7 +612,7 @@ def _run_bench_matrix(a: argparse.Namespace) -> int:
                     for _ in range(a.warmup):
                         run_cell(s, waves, t, max_tokens, continuous[name])
                 runs: dict[str, list[Run]] = {name: [] for name in systems}
-                before = {name: (_length_steps(s), _length_changes(s)) for name, s in systems.items()}
+                before = {name: (_length_steps(s), _length_changes(s), _sched_stats(s)) for name, s in systems.items()}
                 compiles: dict[str, list[dict]] = {name: [] for name in systems}  # dspark.kernels.compile_watch
                 for _ in range(a.runs):
                     for name, s in systems.items():
@@ -641,6 +648,11 @@ def _run_bench_matrix(a: argparse.Namespace) -> int:
                         c["verify_length_changes"] = changes
                         log(f"{ps} T={t:g} B={b}: {c['label']} steps by drafts verified {c['verify_length_steps']}"
                             + (f", {changes} length changes" if changes is not None else ""))
+                for c, (name, s) in zip(new, systems.items()):  # confidence scheduling (eager steps): its counts
+                    cs = _sched_stats(s)
+                    if cs is not None:
+                        c["confidence_scheduling"] = {k: v - before[name][2][k] for k, v in cs.items()}
+                        log(f"{ps} T={t:g} B={b}: {c['label']} confidence scheduling {c['confidence_scheduling']}")
                 cells.extend(new)
                 tokens = (lambda c: f" ({c['new_tokens']:g} tokens)") if a.stop_at_eos else (lambda c: "")
                 log(f"{ps} T={t:g} B={b}: " + ", ".join(f"{c['label']} {c['tok_s_total']:.1f} tok/s{tokens(c)}"

@@ -202,6 +202,8 @@ class LLMEngine:
         self.kv.prefix_queries = self.kv.prefix_hits = 0
         for G in self.runner.graph_sets.values():
             G.stats = dict.fromkeys(G.stats, 0)
+        if self.runner.conf_sched is not None:  # its measured times stay: profiling them is part of warming up
+            self.runner.conf_sched.reset()
         if self.verify_policy is not None:  # the warm-up's acceptance says nothing of real requests: a new
             self.runner.use_verify_length(max(self.verify_policy.lengths))  # policy, at the longest block
             self.verify_policy = self.verify_policy.fresh()

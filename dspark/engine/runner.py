@@ -32,6 +32,7 @@ from dspark.models.llama import LlamaForCausalLM
 from dspark.models.loader import LoadedModel
 from dspark.sample.sampler import (Sampler, SamplingBatch, as_int64, draft_params, sampling_row,
                                    unfiltered)
+from dspark.spec.adaptive import ConfidenceScheduler, RowTimeTable
 from dspark.spec.config import SpeculativeConfig
 from dspark.spec.proposer import Proposer
 from dspark.spec.rejection import verify_greedy, verify_probabilistic
@@ -178,8 +179,56 @@ class ModelRunner:
         self.graphs = None  # StepGraphs: decode/verify and drafter steps as CUDA graphs
         self.graph_sets: dict[int, object] = {}  # drafts verified -> its StepGraphs (adaptive verification)
         self.step_times: dict[int, dict[tuple[int, bool], float]] | None = None  # StepGraphs.profile per length
+        self.conf_sched: ConfidenceScheduler | None = None  # per-request verify lengths of eager steps
         if self.device.type == "cuda" and config.resolved_attention_backend == "triton" and not config.enforce_eager:
             self.enable_graphs(capture=True)
+        self._enable_confidence_scheduling()
+
+    def _enable_confidence_scheduling(self) -> None:
+        """Confidence-scheduled verification (spec/adaptive.py ConfidenceScheduler) where steps run eagerly and
+        the drafter has a confidence head, unless the config turns it off ("confidence_scheduling": false).
+        Graph steps verify the graph's q rows per request whatever the lengths, so with CUDA graphs it is off."""
+        want = None if self.spec is None else self.spec.confidence_scheduling
+        head = getattr(getattr(self.proposer, "drafter", None), "confidence", None) is not None
+        if want is False or self.proposer is None or not head:
+            if want and self.proposer is not None:
+                logger.warning("confidence_scheduling: the drafter has no confidence head; every step verifies "
+                               "%d drafts", self.num_spec_tokens)
+            return
+        if self.graphs is not None:
+            if want:
+                logger.warning("confidence_scheduling applies to eager steps only: with CUDA graphs every request "
+                               "verifies the graph's %d drafts (verify_lengths / sampled_verify_length choose "
+                               "one length per step there)", self.num_spec_tokens)
+            return
+        self.conf_sched = ConfidenceScheduler(RowTimeTable(self._profile_rows))
+
+    @torch.inference_mode()
+    def _profile_rows(self, rows: int, reps: int = 2) -> float:
+        """Seconds of a target step of ``rows`` query rows (ConfidenceScheduler's t(R)): requests of up to
+        1 + num_spec_tokens rows each on the dummy KV block (positions from 0: short contexts, so attention's
+        share of a long-context row is left out), logits of every row as verification computes them; the
+        minimum of ``reps`` timed runs after a warm-up run."""
+        per = min(1 + self.num_spec_tokens, self.block_size)
+        lens = [per] * (rows // per) + ([rows % per] if rows % per else [])
+        positions = torch.cat([torch.arange(n) for n in lens])
+        qsl = np.concatenate([[0], np.cumsum(lens)]).tolist()
+        dev = self.device
+        layout = BatchLayout(positions=positions.to(dev), slot_mapping=positions.to(dev), query_start_loc=qsl,
+                             seq_lens=lens, block_tables=torch.zeros(len(lens), 1, dtype=torch.int64, device=dev),
+                             block_size=self.block_size)
+        meta = self.backend.prepare(layout)
+        ids = torch.zeros(rows, dtype=torch.int64, device=dev)
+        best = float("inf")
+        for i in range(reps + 1):
+            t0 = time.perf_counter()
+            hidden, _ = self.model(ids, layout.positions, self.backend, meta, self.kv_caches)
+            self.model.compute_logits(hidden)
+            self._sync()
+            if i:
+                best = min(best, time.perf_counter() - t0)
+        logger.debug("confidence scheduling: a target step of %d rows takes %.2f ms", rows, 1e3 * best)
+        return best
 
     def enable_graphs(self, capture: bool = True, **kw) -> None:
         """Run decode/verify steps (and DSpark drafter steps) through dspark/engine/cuda_graphs.py:
@@ -207,6 +256,7 @@ class ModelRunner:
             torch.cuda.empty_cache()
             return
         self.graphs, self.graph_sets = graphs, sets
+        self.conf_sched = None  # graph steps verify q rows per request: nothing to schedule
         self.step_times = None
         if capture and len(sets) > 1 and self.spec.verify_lengths is not None:  # adaptive: profile the sets
             t0 = time.perf_counter()
@@ -929,15 +979,28 @@ class ModelRunner:
                                                   [c[3] for c in cand], [r.params for r in reqs],
                                                   [as_int64(r.seed) for r in reqs], prob)
         else:
+            sched = self.conf_sched
+            # seeded sampled requests verify every draft (ConfidenceScheduler: their text follows their seed only)
+            fixed = [not r.params.greedy and r.params.seed is not None for r in reqs]
+            if sched is not None and not any(fixed) and sched.pause_step():
+                return  # speculation paused: these requests decode plainly next step
             dev = self.device
             N = max(c[4] for c in cand)
             anchors = torch.tensor([c[2] for c in cand], device=dev)
             anchor_pos = torch.tensor([c[3] for c in cand], device=dev)
             batch = self._sampling_batch(reqs, [c[3] + 1 for c in cand], draft=True)
+            t0 = time.perf_counter()
             prop = self.proposer.propose(reqs, anchors, anchor_pos, block_tables[[c[0] for c in cand]], N, batch, prob)
             tokens, probs = prop.tokens, prop.probs
+            if sched is not None and prop.confidence is not None:
+                survival = prop.confidence.cumprod(dim=1).tolist()  # a_{r,j}; the read-back waits for the proposal
+                sched.observe_draft(time.perf_counter() - t0)
+                ell = sched.schedule([a[:c[4]] for a, c in zip(survival, cand)], fixed)
+                cand = [c[:4] + (l,) for c, l in zip(cand, ell)]
         toks = tokens.tolist()
         for j, (_, r, _, _, n) in enumerate(cand):
+            if n == 0:  # (confidence scheduling: no draft worth a row) decodes plainly next step
+                continue
             result.drafts[r.request_id] = toks[j][:n]
             if prob[j]:
                 self.draft_probs[r.request_id] = (probs, j)  # row j of this proposal's q [B, N, V]

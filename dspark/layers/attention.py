@@ -74,21 +74,27 @@ class TorchAttentionMetadata:
     groups: list[_Group]
 
 
+# Requests of at most this many query rows (decoding, verification blocks) share one padded SDPA call.
+SHORT_QUERY = 16
+
+
 class TorchAttentionBackend:
     """Reference backend: gather each request's context from the paged cache into a padded batch and
-    run SDPA with an explicit causal mask. Works on any device. Decoding rows share one call; a request
-    with several query rows (prefill chunk, verification) among requests with other query lengths gets
-    its own call, so one long prefill does not pad every decode row to its length."""
+    run SDPA with an explicit causal mask. Works on any device. Decoding and verification rows (requests
+    of at most SHORT_QUERY query rows) share one call, padded to the longest of them (confidence-scheduled
+    verification gives requests different numbers of rows: one call per request cost ~30 SDPA calls per
+    request and step); a longer request (a prefill chunk) among them gets its own call, so one long prefill
+    does not pad every decode row to its length."""
 
     def prepare(self, layout: BatchLayout) -> TorchAttentionMetadata:
         qsl = layout.query_start_loc
         q_lens = [qsl[b + 1] - qsl[b] for b in range(len(layout.seq_lens))]
-        if len(set(q_lens)) == 1:
+        if len(set(q_lens)) == 1 or max(q_lens) <= SHORT_QUERY:
             groups = [self._group(layout, list(range(len(q_lens))), whole=True)]
         else:
-            decode = [b for b, n in enumerate(q_lens) if n == 1]
-            groups = [self._group(layout, decode)] if decode else []
-            groups += [self._group(layout, [b]) for b, n in enumerate(q_lens) if n > 1]
+            short = [b for b, n in enumerate(q_lens) if n <= SHORT_QUERY]
+            groups = [self._group(layout, short)] if short else []
+            groups += [self._group(layout, [b]) for b, n in enumerate(q_lens) if n > SHORT_QUERY]
         return TorchAttentionMetadata(slot_mapping=layout.slot_mapping, groups=groups)
 
     @staticmethod

@@ -259,3 +259,141 @@ class SampledBatchRule(_LengthChoice):
         if num_greedy + num_sampled == 0 or self.steps_since_change < self.min_steps:
             return current
         return self.short if num_greedy == 0 and num_sampled >= self.min_batch else self.long
+
+
+class ConfidenceScheduler:
+    """Confidence-scheduled verification (dspark.md §4, the paper's per-request form) for steps that run
+    eagerly — the CPU, ``--enforce-eager``, the torch backend — where a step's cost is its rows: every draft
+    a request verifies is one more target row. (CUDA-graph steps give every request the same q rows, so
+    there the batch-wide policies above choose one length instead.)
+
+    After each drafting, request r's draft j survives verification with probability
+    a_{r,j} = c_{r,1} ··· c_{r,j}, the drafter's confidence head (``DSparkDrafter.confidence_logit``, trained
+    on 1 − TV: the probability that the draft is accepted given the ones before it were). The next step
+    verifies ℓ_r drafts of request r, chosen greedily as the paper does: all (r, j) sorted by a_{r,j},
+    admitted one at a time while each admission raises
+
+        Θ = Σ_r (1 + Σ_{j ≤ ℓ_r} a_{r,j}) / (t(Σ_r (1 + ℓ_r)) + t_draft)
+
+    — expected tokens per second of the step, with t(R) the target's measured time for R query rows
+    (``row_time``: profiled on the dummy KV block at powers of two, interpolated) and t_draft the
+    drafter's measured time per step (a running mean). The admission stops at the first one that does
+    not raise Θ.
+
+    Why it stops there (and not at the best Θ over the whole sorted list, which would sometimes verify
+    more): losslessness for sampled requests. Which drafts a step verifies may depend on anything but the
+    value of the draft itself given the ones before it; a_{r,j+1} depends on draft j (the confidence head
+    reads the previous draft), so a rule that looks past (r, j) in the list before deciding on it would
+    verify draft j more or less often depending on its value — and a draft kept or dropped by its own
+    value is no longer a sample of q, which biases the rejection sampler's output (a draft verified only
+    when it is a token the target likes is accepted too often). Stopping at the first non-improving
+    admission decides each (r, j) from the entries ranked above it, which (ties broken by j) are other
+    requests' and r's own earlier ones, functions of drafts before j: each emitted token is still an exact
+    sample, as ``tests/spec/test_spec_engine.py`` checks statistically.
+
+    Seeded sampled requests are not scheduled (``fixed``): they verify every draft, so that their text
+    depends on their seed only, not on the measured step times that steer ℓ. Greedy requests' tokens are
+    the target's argmax chain whatever ℓ is.
+
+    Pausing: Θ of the scheduled step is compared with plain decoding's, B / t(B) with no drafter; when
+    plain decoding is ahead (by ``margin``) the next ``pause_steps`` steps draft nothing — the requests
+    decode plainly, their drafter context still written — and the step after drafts again to look. Each
+    pause that follows another right away is twice as long, up to ``max_pause`` steps (a batch where
+    speculation does not pay pays for one drafting in up to max_pause + 1 steps); a step that speculates
+    resets it.
+    Drafts already made are not dropped by this (that would decide on their own values, as above); only
+    steps not yet drafted are paused. Where the drafter costs a large share of a plain step (a 135 M
+    target on a 2-core CPU: ~45 %, and most of its drafts are worth fewer rows at batch 8) speculation then
+    costs about one drafting in ``pause_steps + 1`` steps instead of its whole price."""
+
+    def __init__(self, row_time: Callable[[int], float], pause_steps: int = 4, max_pause: int = 64,
+                 margin: float = 0.02, draft_weight: float = 0.2) -> None:
+        self.row_time = row_time  # R query rows -> seconds of the target step
+        self.pause_steps, self.max_pause, self.margin, self.draft_weight = pause_steps, max_pause, margin, draft_weight
+        self.draft_time: float | None = None  # seconds per drafting, running mean
+        self.paused_left = 0  # steps still to decode without drafting
+        self.next_pause = pause_steps  # the length of the next pause (doubles while pauses follow each other)
+        self.stats = {"scheduled_steps": 0, "drafts_made": 0, "drafts_kept": 0, "paused_steps": 0, "pauses": 0}
+
+    def reset(self) -> None:
+        """Forget the pause and the counts (LLMEngine.warm_up); the measured times stay."""
+        self.paused_left, self.next_pause = 0, self.pause_steps
+        self.stats = dict.fromkeys(self.stats, 0)
+
+    def observe_draft(self, seconds: float) -> None:
+        """One drafting (the proposer's forward and Markov loop, read back) took ``seconds``."""
+        d = self.draft_time
+        self.draft_time = seconds if d is None else d + self.draft_weight * (seconds - d)
+
+    def pause_step(self) -> bool:
+        """Whether this step skips drafting (counted as a paused step when it does)."""
+        if self.paused_left <= 0:
+            return False
+        self.paused_left -= 1
+        self.stats["paused_steps"] += 1
+        return True
+
+    def schedule(self, survival: list[np.ndarray], fixed: list[bool]) -> list[int]:
+        """survival[i]: request i's a_{i,1..n_i} (n_i = the drafts it may verify); ``fixed[i]``: it verifies
+        all n_i. Returns ℓ_i per request, and arms the pause when plain decoding would be faster."""
+        td = self.draft_time or 0.0
+        rows = len(survival)
+        tokens = float(rows)
+        cand = []
+        for i, (a, fx) in enumerate(zip(survival, fixed)):
+            if fx:
+                rows += len(a)
+                tokens += float(np.sum(a))
+            else:
+                cand.extend((-float(x), j, i) for j, x in enumerate(a))
+        cand.sort()  # by a descending, then by slot: a request's drafts in order (a is non-increasing in j)
+        theta = tokens / (self.row_time(rows) + td)
+        lengths = [len(a) if fx else 0 for a, fx in zip(survival, fixed)]
+        for neg_a, _, i in cand:
+            nxt = (tokens - neg_a) / (self.row_time(rows + 1) + td)
+            if nxt <= theta:
+                break
+            theta, tokens, rows = nxt, tokens - neg_a, rows + 1
+            lengths[i] += 1
+        s = self.stats
+        s["scheduled_steps"] += 1
+        s["drafts_made"] += sum(len(a) for a in survival)
+        s["drafts_kept"] += sum(lengths)
+        if not any(fixed):  # a seeded request drafts every step anyway: nothing to save by pausing
+            b = len(survival)
+            if theta * (1 + self.margin) < b / self.row_time(b):
+                self.paused_left = self.next_pause
+                self.next_pause = min(2 * self.next_pause, self.max_pause)
+                s["pauses"] += 1
+            else:
+                self.next_pause = self.pause_steps
+        return lengths
+
+
+class RowTimeTable:
+    """t(R): seconds of a target step of R query rows, profiled lazily at powers of two up to ``cap`` rows
+    (``profile(R)``: one timed forward of R rows, the minimum of ``reps`` after a warm-up run), linear in
+    between and, past ``cap``, along the last segment's slope (products of many rows are compute-bound:
+    linear in R)."""
+
+    def __init__(self, profile: Callable[[int], float], cap: int = 256) -> None:
+        self.profile, self.cap = profile, cap
+        self.points: dict[int, float] = {}
+
+    def _at(self, r: int) -> float:
+        t = self.points.get(r)
+        if t is None:
+            t = self.points[r] = self.profile(r)
+        return t
+
+    def __call__(self, rows: int) -> float:
+        rows = max(1, rows)
+        lo = 1 << (rows.bit_length() - 1)  # the power of two at or below rows
+        if lo >= self.cap:
+            lo, hi = self.cap // 2, self.cap
+        else:
+            hi = lo * 2
+        if rows == lo:
+            return self._at(lo)
+        t_lo, t_hi = self._at(lo), self._at(hi)
+        return t_lo + (t_hi - t_lo) * (rows - lo) / (hi - lo)

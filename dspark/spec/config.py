@@ -35,6 +35,12 @@ class SpeculativeConfig:
     # None: off. Needs CUDA graphs, as verify_lengths; the two are exclusive.
     sampled_verify_length: int | None = None
     sampled_verify_min_batch: int = 8
+    # Confidence-scheduled verification (dspark's key; spec/adaptive.py ConfidenceScheduler, dspark.md §4):
+    # on eagerly run steps (the CPU, --enforce-eager), each request verifies the drafts whose confidence-head
+    # survival is worth their target rows at the measured cost per row, and drafting pauses for a few steps
+    # when plain decoding is faster. None (default): on where it applies (eager steps, a drafter with a
+    # confidence head); False: off; True: on, with a warning where it cannot apply.
+    confidence_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.method != "dspark":
@@ -64,6 +70,9 @@ class SpeculativeConfig:
             x = getattr(self, key)
             if x is not None and (not isinstance(x, int) or isinstance(x, bool) or x < 1):
                 raise SpeculativeConfigError(f"{key} must be an integer >= 1, got {x!r}")
+        c = self.confidence_scheduling
+        if c is not None and not isinstance(c, bool):
+            raise SpeculativeConfigError(f"confidence_scheduling must be true, false or null, got {c!r}")
         if self.sampled_verify_min_batch is None:
             raise SpeculativeConfigError("sampled_verify_min_batch must be an integer >= 1, got None")
         s = self.sampled_verify_length

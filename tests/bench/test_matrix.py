@@ -47,7 +47,8 @@ def tiny(tmp_path_factory):
     drafter = random_drafter(root / "drafter", target, target_layer_ids=[0, 2], block_size=4)
     source = root / "prompts.json"  # the format of dspark.train.data.export_prompt_split
     source.write_text(json.dumps({"train": [], "heldout": SHAREGPT_LIKE}))
-    spec = json.dumps({"method": "dspark", "model": str(drafter), "num_speculative_tokens": 3})
+    spec = json.dumps({"method": "dspark", "model": str(drafter), "num_speculative_tokens": 3,
+                       "confidence_scheduling": False})
     common = ["--model", str(target), "--device", "cpu", "--kv-cache-memory-gb", "0.02", "--speculative-config", spec]
     return root, common, source
 

@@ -22,7 +22,8 @@ def target(tmp_path_factory):
 def test_warm_up_leaves_no_trace(target, tmp_path, spec):
     kw = dict(device="cpu", block_size=4, num_kv_blocks=96, max_num_seqs=4, max_model_len=128)
     if spec:
-        kw["speculative_config"] = {"model": str(random_drafter(tmp_path / "d", target, target_layer_ids=[0], block_size=3))}
+        kw["speculative_config"] = {"model": str(random_drafter(tmp_path / "d", target, target_layer_ids=[0], block_size=3)),
+                                     "confidence_scheduling": False}
     warm = LLM(str(target), warmup=True, **kw)
     cold = LLM(str(target), warmup=False, **kw)
     eng = warm.engine

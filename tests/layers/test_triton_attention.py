@@ -130,7 +130,7 @@ def test_engine_outputs_match_torch_backend(name, target, prompts, tmp_path_fact
     kw = dict(device="cpu", block_size=4, num_kv_blocks=96, **ENGINE_CONFIGS[name])
     if name == "speculative":
         d = random_drafter(tmp_path_factory.mktemp("tri") / "d", target, target_layer_ids=[0], block_size=5)
-        kw["speculative_config"] = {"model": str(d)}
+        kw["speculative_config"] = {"model": str(d), "confidence_scheduling": False}
     ref_llm = LLM(str(target), **kw)
     assert isinstance(ref_llm.engine.runner.backend, TorchAttentionBackend)  # the default ("auto")
     want = [o.token_ids for o in ref_llm.generate(prompts, GREEDY)]

@@ -134,7 +134,7 @@ def engine_case(checkpoint, tmp_path_factory, name: str) -> tuple[list[list[int]
     d = random_drafter(tmp_path_factory.mktemp("fused") / f"{name}-{arch}", path, target_layer_ids=ARCHS[arch][2],
                        block_size=4)
     return prompts, dict(device="cpu", block_size=4, num_kv_blocks=48, max_num_batched_tokens=8,
-                         speculative_config={"model": str(d)})
+                         speculative_config={"model": str(d), "confidence_scheduling": False})
 
 
 def test_engine_fused_matches_torch_backend(checkpoint, tmp_path_factory):

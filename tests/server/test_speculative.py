@@ -52,7 +52,7 @@ def spec_server(tmp_path_factory):
         cfg = drafter_config_dict(ModelConfig.from_hf(load_model_config(None)), num_hidden_layers=1, block_size=4,
                                   mask_token_id=16)
         write_drafter(out, cfg, random_drafter_state_dict(DrafterConfig.from_dict(cfg), 0))
-        spec = json.dumps({"model": str(out), "num_speculative_tokens": 3})
+        spec = json.dumps({"model": str(out), "num_speculative_tokens": 3, "confidence_scheduling": False})
     srv = start_server(tmp_path_factory, "spec_server", SMOLLM_ARGS + ["--speculative-config", spec])
     yield srv
     srv.stop()

@@ -231,3 +231,134 @@ def test_config_sampled_verify_length_errors():
     with pytest.raises(SpeculativeConfigError, match="give one of them"):
         SpeculativeConfig(verify_lengths=[3, 5], sampled_verify_length=3)
     assert SpeculativeConfig.parse('{"sampled_verify_length": 3, "sampled_verify_min_batch": 16}').sampled_verify_min_batch == 16
+
+
+# ------------------------------------------------------------------ confidence-scheduled verification
+def _sched(row_ms, draft_ms=0.0, **kw):
+    from dspark.spec.adaptive import ConfidenceScheduler
+
+    s = ConfidenceScheduler(lambda r: row_ms(r) / 1e3, **kw)
+    if draft_ms:
+        s.observe_draft(draft_ms / 1e3)
+    return s
+
+
+def test_confidence_scheduler_admits_drafts_by_survival_while_theta_rises():
+    s = _sched(lambda r: 10 + 2 * r)
+    # rows 2 (anchors): Θ 2/14; admit 0.9 -> 2.9/16, 0.8 -> 3.7/18, 0.5 -> 4.2/20; 0.2 -> 4.4/22 = 0.2 < 0.21: stop
+    assert s.schedule([[0.9, 0.8, 0.1], [0.5, 0.2]], [False, False]) == [2, 1]
+    assert s.stats["drafts_made"] == 5 and s.stats["drafts_kept"] == 3
+    # rows nearly free: everything with a > 0 is worth its row
+    assert _sched(lambda r: 10 + 1e-6 * r).schedule([[0.9, 0.8, 0.1], [0.5, 0.2]], [False, False]) == [3, 2]
+    # the drafter's time counts in every Θ: a dearer drafter makes rows relatively cheaper
+    assert _sched(lambda r: 10 + 2 * r, draft_ms=100).schedule([[0.9, 0.8, 0.1], [0.5, 0.2]], [False, False]) == [3, 2]
+
+
+def test_confidence_scheduler_stops_at_the_first_admission_that_does_not_pay():
+    """A concave cost (the second row dear, the rest cheap): verifying all four drafts would beat none, but
+    the first admission alone lowers Θ, so none is verified. Deciding on (r, j) from the entries ranked
+    after it (which read draft j through a_{r,j+1}) would bias sampled requests (ConfidenceScheduler)."""
+    s = _sched(lambda r: 10 if r <= 1 else 20 + 0.1 * (r - 2))
+    assert s.schedule([[0.3, 0.3, 0.3, 0.3]], [False]) == [0]
+    assert (1 + 1.2) / 20.2e-3 > 1 / 10e-3  # (the whole block would have paid)
+    # ties: a request's earlier draft first, so lengths stay prefixes
+    assert _sched(lambda r: 10 + r).schedule([[1.0, 1.0, 1.0]], [False]) == [3]
+
+
+def test_confidence_scheduler_keeps_seeded_requests_whole_and_pauses_when_plain_is_faster():
+    s = _sched(lambda r: 10 * r, draft_ms=100)
+    # a fixed (seeded sampled) request verifies all its drafts; the other one is scheduled
+    assert s.schedule([[0.1, 0.05], [0.9, 0.8]], [True, False]) == [2, 2]
+    assert s.paused_left == 0  # the drafter runs for the seeded request anyway: no pause
+    # plain decoding: 1 token per 10 ms; speculating: 1.5 tokens per 120 ms -> pause 4, then 8, 16, ... 64 steps
+    for want in (4, 8, 16, 32, 64, 64):
+        assert s.schedule([[0.5]], [False]) == [1]  # (the drafts made are still verified)
+        assert [s.pause_step() for _ in range(want + 1)] == [True] * want + [False]
+    assert s.stats["paused_steps"] == 4 + 8 + 16 + 32 + 64 + 64 and s.stats["pauses"] == 6
+    s.draft_time = 0.0  # a free drafter: as fast as plain decoding (no draft is worth a row here), no pause,
+    assert s.schedule([[0.99, 0.98]], [False]) == [0] and s.paused_left == 0  # and the next pause starts short
+    s.draft_time = 0.1
+    s.schedule([[0.5]], [False])
+    assert s.paused_left == 4
+
+
+def test_row_time_table_profiles_powers_of_two_lazily_and_interpolates():
+    from dspark.spec.adaptive import RowTimeTable
+
+    calls = []
+
+    def profile(r):
+        calls.append(r)
+        return 1.0 + (r if r <= 8 else 8 + 0.5 * (r - 8))
+
+    t = RowTimeTable(profile, cap=16)
+    assert t(1) == 2.0 and calls == [1]
+    assert t(3) == pytest.approx(3 + 1 * (3 - 2) / 2 * 2)  # between t(2) = 3 and t(4) = 5
+    assert calls == [1, 2, 4]
+    assert t(12) == pytest.approx(11)  # halfway between t(8) = 9 and t(16) = 13
+    assert t(40) == pytest.approx(13 + (13 - 9) * (40 - 16) / 8)  # past the cap: the last segment's slope
+    assert sorted(calls) == [1, 2, 4, 8, 16]
+
+
+def test_config_confidence_scheduling_errors():
+    assert SpeculativeConfig.parse({"confidence_scheduling": False}).confidence_scheduling is False
+    with pytest.raises(SpeculativeConfigError, match="confidence_scheduling must be true, false or null"):
+        SpeculativeConfig.parse({"confidence_scheduling": "yes"})
+
+
+def _admitted_up_to(sched, survival, r, j):
+    """How many of request r's first j drafts the scheduler verifies."""
+    return min(sched.schedule([list(a) for a in survival], [False] * len(survival))[r], j)
+
+
+def test_confidence_scheduler_decides_each_draft_without_reading_it():
+    """The losslessness condition of ConfidenceScheduler, checked on random batches: whether draft j of a
+    request is verified must not depend on that draft's own value. Draft j enters the scheduler only
+    through a_{r,j+1}, a_{r,j+2}, ... (the confidence head reads the previous draft), so changing those
+    (keeping a non-increasing) must leave min(ℓ_r, j) as it was. A rule that admitted by the best Θ over the
+    whole sorted list (looking ahead) fails this check (below)."""
+    rng = np.random.default_rng(0)
+    # linear, the CPU's (a dear second row), steps (a tile of 4 rows at a time, as on a GPU), convex
+    costs = [lambda r: 10 + 2 * r, lambda r: 10 if r <= 1 else 20 + 0.1 * (r - 2), lambda r: 10 * -(-r // 4) + 0.1 * r,
+             lambda r: 5 + r ** 1.2]
+
+    def batch():
+        return [np.cumprod(rng.uniform(0.3, 1.0, rng.integers(1, 6))) for _ in range(rng.integers(1, 4))]
+
+    def perturbed(survival, r, j):
+        s = [a.copy() for a in survival]
+        a = s[r]
+        a[j:] = a[j - 1] * np.cumprod(rng.uniform(0.0, 1.0, len(a) - j))
+        return s
+
+    def violations(make):
+        bad = 0
+        for _ in range(300):
+            cost, td = costs[rng.integers(len(costs))], float(rng.uniform(0, 5))
+            survival = batch()
+            r = int(rng.integers(len(survival)))
+            j = int(rng.integers(1, len(survival[r]) + 1))
+            base = _admitted_up_to(make(cost, td), survival, r, j)
+            bad += any(_admitted_up_to(make(cost, td), perturbed(survival, r, j), r, j) != base for _ in range(4))
+        return bad
+
+    assert violations(lambda cost, td: _sched(cost, draft_ms=td)) == 0
+
+    class LookAhead:  # the best Θ over every prefix of the sorted list: reads entries ranked after (r, j)
+        def __init__(self, cost, td):
+            self.cost = lambda r: cost(r) + td
+
+        def schedule(self, survival, fixed):
+            cand = sorted((-x, j, i) for i, a in enumerate(survival) for j, x in enumerate(a))
+            rows, tokens = len(survival), float(len(survival))
+            best, best_k = tokens / self.cost(rows), 0
+            for k, (neg, _, _) in enumerate(cand, 1):
+                tokens, rows = tokens - neg, rows + 1
+                if tokens / self.cost(rows) > best:
+                    best, best_k = tokens / self.cost(rows), k
+            lengths = [0] * len(survival)
+            for _, _, i in cand[:best_k]:
+                lengths[i] += 1
+            return lengths
+
+    assert violations(LookAhead) > 0  # (the check can fail)

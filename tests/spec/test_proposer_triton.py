@@ -162,7 +162,7 @@ def test_engine_triton_backend_matches_torch_and_no_speculation(target, drafter)
     ref = [o.token_ids for o in LLM(str(target), **kw).generate(prompts, GREEDY)]
     runs = {}
     for backend in ("torch", "triton"):
-        llm = LLM(str(target), attention_backend=backend, speculative_config={"model": str(drafter)}, **kw)
+        llm = LLM(str(target), attention_backend=backend, speculative_config={"model": str(drafter), "confidence_scheduling": False}, **kw)
         assert llm.engine.runner.proposer.use_triton is (backend == "triton")
         outs = [o.token_ids for o in llm.generate(prompts, GREEDY)]
         st = llm.engine.spec_stats

@@ -46,6 +46,8 @@ def spec_llm(target, drafter, **kw) -> LLM:
     return LLM(str(target), device="cpu", block_size=4, speculative_config=spec, **kw)
 
 
+EVERY_STEP = {"confidence_scheduling": False}  # every step drafts and verifies its whole block
+
 CONFIGS = {
     "batched": {},
     "block-verification": dict(spec={"rejection_sample_method": "block"}),
@@ -99,14 +101,15 @@ def drafts_seen(engine: LLMEngine, prompt: list[int]) -> list[list[int]]:
 
 
 def test_drafter_context_survives_prefix_hits_chunking_and_preemption(target, drafter, prompts):
-    """The drafts (not only the output) must not depend on how the context got into the cache."""
+    """The drafts (not only the output) must not depend on how the context got into the cache. (Every step
+    drafts: confidence scheduling off, whose pauses follow measured step times.)"""
     p = prompts[1]
-    want = drafts_seen(spec_llm(target, drafter, enable_prefix_caching=False).engine, p)
+    want = drafts_seen(spec_llm(target, drafter, spec=EVERY_STEP, enable_prefix_caching=False).engine, p)
     assert len(want) >= 10
-    hit = spec_llm(target, drafter).engine
+    hit = spec_llm(target, drafter, spec=EVERY_STEP).engine
     drafts_seen(hit, p[:-3] + [7, 7, 7])  # shares all but the last block: its blocks are cached
     assert drafts_seen(hit, p) == want
-    assert drafts_seen(spec_llm(target, drafter, max_num_batched_tokens=5).engine, p) == want
+    assert drafts_seen(spec_llm(target, drafter, spec=EVERY_STEP, max_num_batched_tokens=5).engine, p) == want
 
 
 def test_sampling_speculation_runs_and_is_seed_reproducible(target, drafter, prompts):

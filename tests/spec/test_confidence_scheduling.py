@@ -1,0 +1,128 @@
+"""Confidence-scheduled verification in the engine (spec/adaptive.py ConfidenceScheduler, eager steps):
+greedy output unchanged with ragged verify lengths and paused drafting, sampled output still exact samples
+of the target (a chi-square test that can fail), seeded requests verifying whole blocks, and where it is off.
+
+The scheduler's inputs that are measured (t(R) per target step, the drafter's time) are replaced by fixed
+numbers here, so that each test knows which regime it is in; the admission itself runs as served."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # (one test builds the graph path, with the triton backend)
+
+from dspark import LLM, SamplingParams  # noqa: E402
+from tests.conftest import forward_logits, write_tiny_checkpoint  # noqa: E402
+from tests.spec.drafters import random_drafter  # noqa: E402
+from tests.spec.test_spec_engine import (GREEDY, chi2_critical, drafter, pooled_chi2, prompts, reference,  # noqa: E402,F401
+                                         target)
+
+
+def fix_costs(llm: LLM, row_time, draft_time: float) -> None:
+    """Give the engine's scheduler fixed costs: t(R) = row_time(R) and a drafter time of draft_time."""
+    cs = llm.engine.runner.conf_sched
+    assert cs is not None
+    cs.row_time = row_time
+    cs.draft_time = draft_time
+    cs.observe_draft = lambda seconds: None
+
+
+def spec_llm(target, drafter, **kw) -> LLM:
+    return LLM(str(target), device="cpu", block_size=4, num_kv_blocks=512, speculative_config={"model": str(drafter)},
+               **kw)
+
+
+@pytest.mark.parametrize("regime", ["ragged", "paused"])
+def test_greedy_output_is_unchanged_by_scheduled_lengths_and_pauses(regime, target, drafter, prompts, reference):
+    llm = spec_llm(target, drafter)
+    if regime == "ragged":  # rows cheap enough for the likelier drafts only; no pause (the drafter is free)
+        fix_costs(llm, lambda r: 1.0 + 0.02 * r, 0.0)
+    else:  # a dear drafter: plain decoding is faster, so drafting pauses between looks
+        fix_costs(llm, lambda r: 1.0 + 0.02 * r, 2.0)
+    got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    assert got == reference
+    cs = llm.engine.runner.conf_sched.stats
+    st = llm.engine.spec_stats
+    if regime == "ragged":
+        assert 0 < cs["drafts_kept"] < cs["drafts_made"] and cs["paused_steps"] == 0
+        lengths = {n for n, _ in st.by_outcome}
+        assert len(lengths) > 1, st.by_outcome  # requests verified different numbers of drafts
+    else:
+        assert cs["pauses"] > 0 and cs["paused_steps"] > cs["scheduled_steps"]
+
+
+def test_seeded_sampled_requests_verify_whole_blocks(target, drafter, prompts):
+    llm = spec_llm(target, drafter)
+    fix_costs(llm, lambda r: 1.0 + 0.5 * r, 5.0)  # rows and drafting so dear that nothing else would be verified
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=12, ignore_eos=True) for i in range(4)]
+    a = [o.token_ids for o in llm.generate(prompts[:4], params)]
+    st = llm.engine.spec_stats
+    assert st.num_steps > 0 and {n for n, _ in st.by_outcome} == {5}  # the drafter's block, every time
+    cs = llm.engine.runner.conf_sched.stats
+    assert cs["drafts_kept"] == cs["drafts_made"] and cs["paused_steps"] == 0
+    # and their text does not depend on the costs (a second engine, other costs: the same tokens)
+    other = spec_llm(target, drafter)
+    fix_costs(other, lambda r: 1.0 + 1e-6 * r, 0.0)
+    assert [o.token_ids for o in other.generate(prompts[:4], params)] == a
+
+
+@pytest.mark.parametrize("method", ["standard", "block"])
+def test_scheduled_sampling_matches_target_distribution(method, tmp_path):
+    """As test_spec_engine's chi-square test, with unseeded requests (scheduled) and costs that make the
+    verify lengths ragged: the second emitted token (the first one through verification, or decoded plainly
+    where no draft was kept) still follows the target's p(· | prompt, first token). (With a random drafter
+    verification seldom accepts, so this checks the plumbing more than it could see a subtle selection
+    bias; the rule that keeps the selection unbiased is checked exactly in test_adaptive.py.)"""
+    from dspark.sample.sampler import SamplingBatch, compute_probs
+
+    t = write_tiny_checkpoint(tmp_path / "t", "llama", num_hidden_layers=4, vocab_size=16, seed=5,
+                              initializer_range=0.5)
+    d = random_drafter(tmp_path / "d", t, target_layer_ids=[1, 2], block_size=3, seed=6)
+    llm = LLM(str(t), device="cpu", block_size=4, num_kv_blocks=2048, max_num_seqs=256,
+              speculative_config={"model": str(d), "draft_sample_method": "probabilistic",
+                                  "rejection_sample_method": method})
+    fix_costs(llm, lambda r: 1.0 + 0.0005 * r, 0.0)  # most requests verify drafts, some fewer than 3
+    prompt = [5, 9, 2, 11]
+    n = 6000
+    outs = llm.generate([prompt] * n, SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True))
+    st, cs = llm.engine.spec_stats, llm.engine.runner.conf_sched.stats
+    assert st.num_drafts > st.num_accepted > 0 and 0 < cs["drafts_kept"] < cs["drafts_made"]
+    assert len({n for n, _ in st.by_outcome}) > 1, st.by_outcome  # ragged lengths
+    pairs = [(o.token_ids[0], o.token_ids[1]) for o in outs]
+    batch = SamplingBatch.build([SamplingParams(temperature=1.0)], [0], [0], [prompt], [[]], 16, "cpu")
+    expected = {t1: compute_probs(forward_logits(llm.engine, prompt + [t1])[-1:], batch)[0]
+                for t1 in {a for a, _ in pairs}}
+    stat, df = pooled_chi2(pairs, expected)
+    assert stat < chi2_critical(df), (stat, df)
+    wrong = {t1: torch.softmax(forward_logits(llm.engine, prompt + [t1])[-1] / 1.3, -1) for t1 in expected}
+    bad, bad_df = pooled_chi2(pairs, wrong)  # the test can fail: a slightly wrong target is rejected
+    assert bad > chi2_critical(bad_df), (bad, bad_df)
+
+
+def test_where_confidence_scheduling_is_off(target, drafter, tmp_path, caplog):
+    assert spec_llm(target, drafter).engine.runner.conf_sched is not None  # the default on eager steps
+    off = LLM(str(target), device="cpu", block_size=4, num_kv_blocks=512,
+              speculative_config={"model": str(drafter), "confidence_scheduling": False})
+    assert off.engine.runner.conf_sched is None
+    off.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    st = off.engine.spec_stats
+    assert st.num_steps > 0 and {n for n, _ in st.by_outcome} == {5}
+    graphs = spec_llm(target, drafter, attention_backend="triton")
+    graphs.engine.runner.enable_graphs(capture=False)  # graph steps verify q rows per request: off
+    assert graphs.engine.runner.conf_sched is None
+    # a drafter without a confidence head: off, and said so when asked for
+    cfg = json.loads((drafter / "config.json").read_text())
+    nohead = tmp_path / "nohead"
+    nohead.mkdir()
+    (nohead / "config.json").write_text(json.dumps({**cfg, "enable_confidence_head": False}))
+    for f in drafter.iterdir():
+        if f.name != "config.json":
+            (nohead / f.name).symlink_to(f)
+    with caplog.at_level("WARNING"):
+        llm = LLM(str(target), device="cpu", block_size=4, num_kv_blocks=512,
+                  speculative_config={"model": str(nohead), "confidence_scheduling": True})
+    assert llm.engine.runner.conf_sched is None and "no confidence head" in caplog.text
