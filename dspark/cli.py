@@ -26,7 +26,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         'for the model, if any (dspark/drafters), drafting probabilistically, verifying '
                         'sampled requests by block verification, all-sampled batches of >= 16 verifying 3 drafts '
                         '(dspark\'s keys "sampled_verify_length", "sampled_verify_min_batch"; "verify_lengths" for '
-                        'adaptive verification)')
+                        'adaptive verification); eager steps (CPU, --enforce-eager) schedule per-request verify '
+                        'lengths from the confidence head and pause drafting when plain decoding is faster '
+                        '("confidence_scheduling": false turns that off)')
     p.add_argument("--no-spec", action="store_true", help="no speculative decoding (ignore the shipped drafter)")
     add_backend_args(p)
 

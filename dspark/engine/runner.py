@@ -978,6 +978,7 @@ class ModelRunner:
             tokens, probs = self.graphs.run_draft(*graph, [c[0] for c in cand], [c[2] for c in cand],
                                                   [c[3] for c in cand], [r.params for r in reqs],
                                                   [as_int64(r.seed) for r in reqs], prob)
+            toks = tokens.tolist()
         else:
             sched = self.conf_sched
             # seeded sampled requests verify every draft (ConfidenceScheduler: their text follows their seed only)
@@ -992,12 +993,13 @@ class ModelRunner:
             t0 = time.perf_counter()
             prop = self.proposer.propose(reqs, anchors, anchor_pos, block_tables[[c[0] for c in cand]], N, batch, prob)
             tokens, probs = prop.tokens, prop.probs
+            toks = tokens.tolist()  # (waits for the proposal)
             if sched is not None and prop.confidence is not None:
-                survival = prop.confidence.cumprod(dim=1).tolist()  # a_{r,j}; the read-back waits for the proposal
                 sched.observe_draft(time.perf_counter() - t0)
+                survival = prop.confidence.cumprod(dim=1).tolist()  # a_{r,j}
+                # (the first schedules profile target steps on the dummy block: after this step's rows were used)
                 ell = sched.schedule([a[:c[4]] for a, c in zip(survival, cand)], fixed)
                 cand = [c[:4] + (l,) for c, l in zip(cand, ell)]
-        toks = tokens.tolist()
         for j, (_, r, _, _, n) in enumerate(cand):
             if n == 0:  # (confidence scheduling: no draft worth a row) decodes plainly next step
                 continue
