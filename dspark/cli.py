@@ -138,8 +138,8 @@ def format_spec_stats(engine) -> str:
     cond = " ".join("-" if c is None else f"{c:.2f}" for c in st.conditional_acceptance)
     return (f"[dspark] DSpark: tau {st.tau:.2f} tokens/step over {st.num_steps} steps, "
             f"{st.num_accepted}/{st.num_drafts} drafts accepted; conditional acceptance by position: {cond}; "
-            f"draft {st.draft_time_s * 1000 / st.num_steps:.1f} ms/step, "
-            f"verify {st.verify_time_s * 1000 / st.num_steps:.1f} ms/step"
+            f"per engine step ({st.engine_steps}): draft {st.draft_time_s * 1000 / max(st.engine_steps, 1):.1f} ms, "
+            f"target + verification {st.verify_time_s * 1000 / max(st.engine_steps, 1):.1f} ms"
             + (f"; steps by drafts verified (adaptive): {dict(sorted(st.length_steps.items()))}"
                if len(st.length_steps) > 1 else "") + sched)
 

@@ -487,6 +487,7 @@ class LLMEngine:
     def _record_spec(self, result) -> None:
         self.spec_stats.draft_time_s += result.draft_time_s
         self.spec_stats.verify_time_s += result.verify_time_s
+        self.spec_stats.engine_steps += 1
         pol = self.verify_policy
         est = pol.estimate if pol is not None else None
         per_req = self._req_spec

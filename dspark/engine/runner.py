@@ -201,7 +201,12 @@ class ModelRunner:
                                "verifies the graph's %d drafts (verify_lengths / sampled_verify_length choose "
                                "one length per step there)", self.num_spec_tokens)
             return
-        self.conf_sched = ConfidenceScheduler(RowTimeTable(self._profile_rows))
+        table = RowTimeTable(self._profile_rows)
+        t0 = time.perf_counter()
+        points = table.warm(1 + self.num_spec_tokens)  # a batch of one's rows now, not in the first request's TTFT
+        logger.info("confidence scheduling: target steps of %s rows profiled in %.2f s (%s ms)", list(points),
+                    time.perf_counter() - t0, ", ".join(f"{1e3 * t:.1f}" for t in points.values()))
+        self.conf_sched = ConfidenceScheduler(table)
 
     @torch.inference_mode()
     def _profile_rows(self, rows: int, reps: int = 2) -> float:

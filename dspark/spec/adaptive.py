@@ -371,7 +371,8 @@ class ConfidenceScheduler:
 
 
 class RowTimeTable:
-    """t(R): seconds of a target step of R query rows, profiled lazily at powers of two up to ``cap`` rows
+    """t(R): seconds of a target step of R query rows, profiled at powers of two up to ``cap`` rows (those up to
+    one request's block at start-up, ``warm``; the larger ones when a batch first needs them)
     (``profile(R)``: one timed forward of R rows, the minimum of ``reps`` after a warm-up run), linear in
     between and, past ``cap``, along the last segment's slope (products of many rows are compute-bound:
     linear in R)."""
@@ -379,6 +380,16 @@ class RowTimeTable:
     def __init__(self, profile: Callable[[int], float], cap: int = 256) -> None:
         self.profile, self.cap = profile, cap
         self.points: dict[int, float] = {}
+
+    def warm(self, rows: int) -> dict[int, float]:
+        """Profile every power of two up to the first at or above ``rows`` now (at start-up, so that the first
+        request does not wait for them); returns the table."""
+        r = 1
+        while True:
+            self._at(r)
+            if r >= min(rows, self.cap):
+                return dict(self.points)
+            r *= 2
 
     def _at(self, r: int) -> float:
         t = self.points.get(r)

@@ -19,6 +19,9 @@ class SpecStats:
     num_accepted: int = 0
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
+    # engine steps whose times draft_time_s / verify_time_s sum (the engine's aggregate only): with confidence
+    # scheduling many steps verify nothing, so those times per verification step would mislead
+    engine_steps: int = 0
     # engine steps that verified drafts, by the number of drafts the step's graphs verify per request
     # (adaptive verification changes it: spec/adaptive.py); the engine's aggregate only
     length_steps: dict[int, int] = field(default_factory=dict)

@@ -362,3 +362,13 @@ def test_confidence_scheduler_decides_each_draft_without_reading_it():
             return lengths
 
     assert violations(LookAhead) > 0  # (the check can fail)
+
+
+def test_row_time_table_warms_the_rows_of_one_block_up_front():
+    from dspark.spec.adaptive import RowTimeTable
+
+    calls = []
+    t = RowTimeTable(lambda r: calls.append(r) or float(r), cap=16)
+    assert t.warm(8) == {1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0} and calls == [1, 2, 4, 8]
+    assert t.warm(6) and calls == [1, 2, 4, 8]  # (8 covers 6; nothing profiled twice)
+    assert list(RowTimeTable(float, cap=4).warm(100)) == [1, 2, 4]
