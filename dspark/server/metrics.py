@@ -49,9 +49,11 @@ def engine_spec_snapshot(engine: Any) -> dict[str, Any] | None:
     st = getattr(engine, "spec_stats", None)
     if st is None or getattr(engine, "spec_config", None) is None:
         return None
+    cs = getattr(getattr(engine, "runner", None), "conf_sched", None)  # confidence scheduling (eager steps)
     return {"num_steps": st.num_steps, "num_drafts": st.num_drafts, "num_accepted": st.num_accepted,
             "accepted_at": list(st.accepted_at), "reached": list(getattr(st, "reached", []) or []),
-            "draft_time_s": getattr(st, "draft_time_s", 0.0), "verify_time_s": getattr(st, "verify_time_s", 0.0)}
+            "draft_time_s": getattr(st, "draft_time_s", 0.0), "verify_time_s": getattr(st, "verify_time_s", 0.0)} | (
+        {"confidence_scheduling": dict(cs.stats)} if cs is not None else {})
 
 
 class _EngineStateCollector(Collector):
@@ -124,6 +126,15 @@ def _spec_families(model: str, spec: dict[str, Any]) -> Iterable[Any]:
                       "Accepted drafts at this position / verification steps.", [a / steps for a in accepted_at])
     if drafts:
         yield gauge("dspark:spec_decode_acceptance_rate", "Accepted draft tokens / draft tokens.", acc / drafts)
+    cs = spec.get("confidence_scheduling")
+    if cs:
+        yield counter("dspark:spec_decode_scheduled_made_tokens",
+                      "Draft tokens made on confidence-scheduled (eager) steps.", cs["drafts_made"])
+        yield counter("dspark:spec_decode_scheduled_kept_tokens",
+                      "Of those, the ones the confidence scheduler kept for verification.", cs["drafts_kept"])
+        yield counter("dspark:spec_decode_paused_steps",
+                      "Engine steps that did not draft: plain decoding was measured faster (confidence scheduling).",
+                      cs["paused_steps"])
     if reached:
         yield per_pos(GaugeMetricFamily, "dspark:spec_decode_conditional_acceptance_per_pos",
                       "P(draft at this position accepted | all earlier drafts accepted).",

@@ -149,6 +149,29 @@ def test_spec_metrics_from_engine_aggregate():
     assert spec["conditional_acceptance_per_position"] == pytest.approx(cond)
 
 
+def test_confidence_scheduling_counters_on_metrics():
+    """An engine whose eager steps are confidence-scheduled exports the scheduler's counts."""
+    from dspark.spec.adaptive import ConfidenceScheduler
+    from dspark.spec.metrics import SpecStats
+
+    engine = FakeEngine()
+    engine.spec_config = object()
+    engine.spec_stats = SpecStats()
+    cs = ConfidenceScheduler(lambda r: 1e-3 * (10 + r))
+    cs.schedule([[0.9, 0.5, 0.1], [0.2]], [False, False])
+    cs.stats["paused_steps"] = 7
+    engine.runner = type("Runner", (), {"conf_sched": cs})()
+
+    async def fn(h):
+        return (await h.get("/metrics")).text
+
+    text = asyncio.run(_with_app(engine, fn))
+    lines = {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln and ln[0] != "#"}
+    assert lines['dspark:spec_decode_scheduled_made_tokens_total{model_name="fake"}'] == 4
+    assert lines['dspark:spec_decode_scheduled_kept_tokens_total{model_name="fake"}'] == cs.stats["drafts_kept"] > 0
+    assert lines['dspark:spec_decode_paused_steps_total{model_name="fake"}'] == 7
+
+
 def test_no_spec_metrics_without_spec_stats():
     async def fn(h):
         await h.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3})
