@@ -205,7 +205,8 @@ def main() -> None:
     print(f"[{time.time() - t0:.0f}s] plain T=1 generated", flush=True)
 
     # the engine's T = 1 DSpark run, instrumented
-    spec = {"model": drafter_dir, "draft_sample_method": "probabilistic", "rejection_sample_method": "standard"}
+    spec = {"model": drafter_dir, "draft_sample_method": "probabilistic", "rejection_sample_method": "standard",
+            "confidence_scheduling": False}  # every draft verified: the check is of the drafter's acceptance
     llm = LLM(speculative_config=spec, **kw)
     eng = llm.engine
     rec = Recorder(eng.runner, a.keep)

@@ -23,8 +23,9 @@ def test_generate_streams_and_reports_speed():
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
     assert "tok/s" in r.stderr
-    # the default model speculates with the drafter dspark ships (dspark/drafters) unless --no-spec
-    assert "DSpark: tau" in r.stderr
+    # the default model speculates with the drafter dspark ships (dspark/drafters) unless --no-spec; on the CPU its
+    # steps are confidence-scheduled (whether any draft is worth verifying in 12 tokens follows measured times)
+    assert "confidence scheduling:" in r.stderr and ("DSpark: tau" in r.stderr or "no verification steps" in r.stderr)
 
 
 @pytest.mark.slow

@@ -47,8 +47,10 @@ def evaluate_acceptance(model: str | None, drafter: str, conversations: Sequence
     from dspark import LLM, SamplingParams
     from dspark.spec.metrics import SpecStats
 
+    # every draft verified: τ and the per-position acceptance measure the drafter, not confidence scheduling's
+    # choices (which on eager steps follow measured step times)
     spec: dict[str, Any] = {"model": drafter, "draft_sample_method": "probabilistic",
-                            "rejection_sample_method": rejection_sample_method}
+                            "rejection_sample_method": rejection_sample_method, "confidence_scheduling": False}
     if num_speculative_tokens is not None:
         spec["num_speculative_tokens"] = num_speculative_tokens
     llm = LLM(model, device=device, dtype=dtype, speculative_config=spec, seed=seed, max_num_seqs=max_num_seqs,

@@ -30,7 +30,8 @@ def test_qwen3_deepspec_drafter_loads_with_qk_norms(targets, tmp_path):
     # A distinct q_norm must be loaded (not left at ones).
     sd["layers.0.self_attn.q_norm.weight"] = torch.full_like(sd["layers.0.self_attn.q_norm.weight"], 0.5)
     save_file(sd, str(d / "model.safetensors"))
-    llm = LLM(str(targets["qwen3"]), device="cpu", speculative_config={"model": str(d)})
+    # (every step verifies: confidence scheduling's pauses would follow measured times)
+    llm = LLM(str(targets["qwen3"]), device="cpu", speculative_config={"model": str(d), "confidence_scheduling": False})
     drafter = llm.engine.runner.proposer.drafter
     assert drafter.layers[0].q_norm is not None
     assert torch.all(drafter.layers[0].q_norm.weight == 0.5)

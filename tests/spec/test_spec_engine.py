@@ -60,7 +60,9 @@ CONFIGS = {
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_greedy_speculation_is_lossless_with_random_drafter(name, target, drafter, prompts, reference):
-    llm = spec_llm(target, drafter, **CONFIGS[name])
+    kw = dict(CONFIGS[name])
+    kw["spec"] = {**EVERY_STEP, **kw.get("spec", {})}  # (confidence scheduling: tests/spec/test_confidence_scheduling.py)
+    llm = spec_llm(target, drafter, **kw)
     outs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == reference
     st = llm.engine.spec_stats
