@@ -11,15 +11,12 @@ import json
 import os
 
 import pytest
-import torch
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # (one test builds the graph path, with the triton backend)
 
 from dspark import LLM, SamplingParams  # noqa: E402
-from tests.conftest import forward_logits, write_tiny_checkpoint  # noqa: E402
-from tests.spec.drafters import random_drafter  # noqa: E402
-from tests.spec.test_spec_engine import (GREEDY, chi2_critical, drafter, pooled_chi2, prompts, reference,  # noqa: E402,F401
-                                         target)
+from tests.spec.test_spec_engine import (GREEDY, SAMPLING_PROMPT, assert_second_token_follows_target,  # noqa: E402,F401
+                                         drafter, prompts, reference, sampling_llm, target)
 
 
 def fix_costs(llm: LLM, row_time, draft_time: float) -> None:
@@ -77,30 +74,14 @@ def test_scheduled_sampling_matches_target_distribution(method, tmp_path):
     where no draft was kept) still follows the target's p(· | prompt, first token). (With a random drafter
     verification seldom accepts, so this checks the plumbing more than it could see a subtle selection
     bias; the rule that keeps the selection unbiased is checked exactly in test_adaptive.py.)"""
-    from dspark.sample.sampler import SamplingBatch, compute_probs
-
-    t = write_tiny_checkpoint(tmp_path / "t", "llama", num_hidden_layers=4, vocab_size=16, seed=5,
-                              initializer_range=0.5)
-    d = random_drafter(tmp_path / "d", t, target_layer_ids=[1, 2], block_size=3, seed=6)
-    llm = LLM(str(t), device="cpu", block_size=4, num_kv_blocks=2048, max_num_seqs=256,
-              speculative_config={"model": str(d), "draft_sample_method": "probabilistic",
-                                  "rejection_sample_method": method})
+    llm = sampling_llm(tmp_path, method)
     fix_costs(llm, lambda r: 1.0 + 0.0005 * r, 0.0)  # most requests verify drafts, some fewer than 3
-    prompt = [5, 9, 2, 11]
     n = 6000
-    outs = llm.generate([prompt] * n, SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True))
+    outs = llm.generate([SAMPLING_PROMPT] * n, SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True))
     st, cs = llm.engine.spec_stats, llm.engine.runner.conf_sched.stats
     assert st.num_drafts > st.num_accepted > 0 and 0 < cs["drafts_kept"] < cs["drafts_made"]
     assert len({n for n, _ in st.by_outcome}) > 1, st.by_outcome  # ragged lengths
-    pairs = [(o.token_ids[0], o.token_ids[1]) for o in outs]
-    batch = SamplingBatch.build([SamplingParams(temperature=1.0)], [0], [0], [prompt], [[]], 16, "cpu")
-    expected = {t1: compute_probs(forward_logits(llm.engine, prompt + [t1])[-1:], batch)[0]
-                for t1 in {a for a, _ in pairs}}
-    stat, df = pooled_chi2(pairs, expected)
-    assert stat < chi2_critical(df), (stat, df)
-    wrong = {t1: torch.softmax(forward_logits(llm.engine, prompt + [t1])[-1] / 1.3, -1) for t1 in expected}
-    bad, bad_df = pooled_chi2(pairs, wrong)  # the test can fail: a slightly wrong target is rejected
-    assert bad > chi2_critical(bad_df), (bad, bad_df)
+    assert_second_token_follows_target(llm, outs, {})
 
 
 def test_where_confidence_scheduling_is_off(target, drafter, tmp_path, caplog):

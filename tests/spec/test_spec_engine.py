@@ -154,25 +154,27 @@ def pooled_chi2(pairs: list[tuple[int, int]], expected: dict[int, torch.Tensor])
     return stat, df
 
 
-@pytest.mark.parametrize("method,filters", [("standard", {}), ("block", {}), ("block", {"top_k": 5, "top_p": 0.95})])
-def test_speculative_sampling_matches_target_distribution(method, filters, tmp_path):
-    """Temperature-1 sampling with probabilistic drafts: the second emitted token (the first one that
-    goes through verification) follows the target's p(· | prompt, first token). With top-k / top-p the
-    drafter draws from its unfiltered distribution (sampler.draft_params) and the output still follows
-    the target's filtered one."""
-    from dspark.sample.sampler import SamplingBatch, compute_probs
+SAMPLING_PROMPT = [5, 9, 2, 11]
 
+
+def sampling_llm(tmp_path, method: str) -> LLM:
+    """A 16-token-vocabulary target whose next-token distributions are far from flat, a random drafter
+    (block 3) drafting probabilistically, verification by ``method``: for the chi-square tests."""
     t = write_tiny_checkpoint(tmp_path / "t", "llama", num_hidden_layers=4, vocab_size=16, seed=5,
                               initializer_range=0.5)
     d = random_drafter(tmp_path / "d", t, target_layer_ids=[1, 2], block_size=3, seed=6)
-    llm = LLM(str(t), device="cpu", block_size=4, num_kv_blocks=2048, max_num_seqs=256,
-              speculative_config={"model": str(d), "draft_sample_method": "probabilistic",
-                                  "rejection_sample_method": method})
-    prompt = [5, 9, 2, 11]
-    n = 6000
-    outs = llm.generate([prompt] * n, [SamplingParams(temperature=1.0, seed=s, max_tokens=3, ignore_eos=True,
-                                                      **filters) for s in range(n)])
-    assert llm.engine.spec_stats.num_drafts > llm.engine.spec_stats.num_accepted > 0
+    return LLM(str(t), device="cpu", block_size=4, num_kv_blocks=2048, max_num_seqs=256,
+               speculative_config={"model": str(d), "draft_sample_method": "probabilistic",
+                                   "rejection_sample_method": method})
+
+
+def assert_second_token_follows_target(llm: LLM, outs, filters: dict) -> None:
+    """Outputs of SAMPLING_PROMPT at temperature 1 (with ``filters``): the second emitted token follows the
+    target's p(· | prompt, first token) by a pooled chi-square test; and the same samples against a slightly
+    wrong target (temperature 1.3; with filters: without them) are rejected, so the test can fail."""
+    from dspark.sample.sampler import SamplingBatch, compute_probs
+
+    prompt = SAMPLING_PROMPT
     pairs = [(o.token_ids[0], o.token_ids[1]) for o in outs]
     sp = SamplingParams(temperature=1.0, **filters)
     batch = SamplingBatch.build([sp], [0], [0], [prompt], [[]], 16, "cpu")
@@ -180,12 +182,24 @@ def test_speculative_sampling_matches_target_distribution(method, filters, tmp_p
                 for t1 in {a for a, _ in pairs}}
     stat, df = pooled_chi2(pairs, expected)
     assert stat < chi2_critical(df), (stat, df)
-    # The same samples against a slightly wrong target (temperature 1.3; with filters: without them) are
-    # rejected: the test can fail.
     scale = 1.0 if filters else 1.3
     wrong = {t1: torch.softmax(forward_logits(llm.engine, prompt + [t1])[-1] / scale, -1) for t1 in expected}
     bad, bad_df = pooled_chi2(pairs, wrong)
     assert bad > chi2_critical(bad_df), (bad, bad_df)
+
+
+@pytest.mark.parametrize("method,filters", [("standard", {}), ("block", {}), ("block", {"top_k": 5, "top_p": 0.95})])
+def test_speculative_sampling_matches_target_distribution(method, filters, tmp_path):
+    """Temperature-1 sampling with probabilistic drafts: the second emitted token (the first one that
+    goes through verification) follows the target's p(· | prompt, first token). With top-k / top-p the
+    drafter draws from its unfiltered distribution (sampler.draft_params) and the output still follows
+    the target's filtered one. (Seeded requests: every one verifies whole blocks.)"""
+    llm = sampling_llm(tmp_path, method)
+    n = 6000
+    outs = llm.generate([SAMPLING_PROMPT] * n, [SamplingParams(temperature=1.0, seed=s, max_tokens=3, ignore_eos=True,
+                                                               **filters) for s in range(n)])
+    assert llm.engine.spec_stats.num_drafts > llm.engine.spec_stats.num_accepted > 0
+    assert_second_token_follows_target(llm, outs, filters)
 
 
 def test_markov_head_conditions_on_previous_draft_and_returns_corrected_probs(target, drafter):
