@@ -28,7 +28,7 @@ the verified drafts are not), so with adaptive lengths a seeded sampled request'
 from __future__ import annotations
 
 from collections import Counter
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -304,7 +304,7 @@ class ConfidenceScheduler:
     Drafts already made are not dropped by this (that would decide on their own values, as above); only
     steps not yet drafted are paused. Where the drafter costs a large share of a plain step (a 135 M
     target on a 2-core CPU: ~45 %, and most of its drafts are worth fewer rows at batch 8) speculation then
-    costs about one drafting in ``pause_steps + 1`` steps instead of its whole price."""
+    costs one drafting in up to ``max_pause + 1`` steps instead of its whole price."""
 
     def __init__(self, row_time: Callable[[int], float], pause_steps: int = 4, max_pause: int = 64,
                  margin: float = 0.02, draft_weight: float = 0.2) -> None:
@@ -333,7 +333,7 @@ class ConfidenceScheduler:
         self.stats["paused_steps"] += 1
         return True
 
-    def schedule(self, survival: list[np.ndarray], fixed: list[bool]) -> list[int]:
+    def schedule(self, survival: Sequence[Sequence[float]], fixed: Sequence[bool]) -> list[int]:
         """survival[i]: request i's a_{i,1..n_i} (n_i = the drafts it may verify); ``fixed[i]``: it verifies
         all n_i. Returns ℓ_i per request, and arms the pause when plain decoding would be faster."""
         td = self.draft_time or 0.0
@@ -371,11 +371,10 @@ class ConfidenceScheduler:
 
 
 class RowTimeTable:
-    """t(R): seconds of a target step of R query rows, profiled at powers of two up to ``cap`` rows (those up to
-    one request's block at start-up, ``warm``; the larger ones when a batch first needs them)
-    (``profile(R)``: one timed forward of R rows, the minimum of ``reps`` after a warm-up run), linear in
-    between and, past ``cap``, along the last segment's slope (products of many rows are compute-bound:
-    linear in R)."""
+    """t(R): seconds of a target step of R query rows, measured by ``profile(R)`` at powers of two up to
+    ``cap`` rows — those of one request's block at start-up (``warm``), larger ones when a batch first needs
+    them — linear in between and, past ``cap``, along the last segment's slope (products of many rows are
+    compute-bound: linear in R)."""
 
     def __init__(self, profile: Callable[[int], float], cap: int = 256) -> None:
         self.profile, self.cap = profile, cap
