@@ -986,10 +986,11 @@ class ModelRunner:
             toks = tokens.tolist()
         else:
             sched = self.conf_sched
-            # seeded sampled requests verify every draft (ConfidenceScheduler: their text follows their seed only)
-            fixed = [not r.params.greedy and r.params.seed is not None for r in reqs]
-            if sched is not None and not any(fixed) and sched.pause_step():
-                return  # speculation paused: these requests decode plainly next step
+            if sched is not None:
+                # seeded sampled requests verify every draft (ConfidenceScheduler: their text follows their seed only)
+                fixed = [not r.params.greedy and r.params.seed is not None for r in reqs]
+                if not any(fixed) and sched.pause_step():
+                    return  # speculation paused: these requests decode plainly next step
             dev = self.device
             N = max(c[4] for c in cand)
             anchors = torch.tensor([c[2] for c in cand], device=dev)
