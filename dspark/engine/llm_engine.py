@@ -501,6 +501,8 @@ class LLMEngine:
                 est.observe(not self.requests[rid].params.greedy, n, a)
         if result.verified:
             n = self.runner.num_spec_tokens
+            if self.runner.conf_sched is not None:  # ragged lengths: the step by its longest verification
+                n = max(k for k, _ in result.verified.values())
             self.spec_stats.length_steps[n] = self.spec_stats.length_steps.get(n, 0) + 1
             if pol is not None:
                 pol.tick()

@@ -92,6 +92,12 @@ def _one_hot_q(drafts: torch.Tensor, V: int) -> torch.Tensor:
     return torch.zeros(*drafts.shape, V, device=drafts.device).scatter_(-1, drafts.unsqueeze(-1), 1.0)
 
 
+def _whole_blocks(p) -> bool:
+    """A seeded sampled request: with confidence scheduling it still verifies every draft it is given, so
+    that its text does not follow measured step times (ConfidenceScheduler)."""
+    return not p.greedy and p.seed is not None
+
+
 def spec_eligible(req: Request) -> bool:
     """Penalties make the target's distribution depend on the drafts themselves: such requests
     decode without speculation."""
@@ -787,7 +793,9 @@ class ModelRunner:
         where it was a bonus draw. Full blocks keep its steps verification blocks that async scheduling
         can pipeline (LLMEngine._launchable_spec, Scheduler.can_continue_spec): otherwise, in continuous
         batching at B = 32 some request is nearly always within a few steps of its end and every step
-        of the batch ran synchronously. Requests with logprobs get only the drafts they can use.
+        of the batch ran synchronously. Requests with logprobs get only the drafts they can use, and so do
+        the requests that confidence scheduling schedules (eager steps: no pipeline to keep; a draft past
+        max_tokens would only be counted in its Θ), but not its seeded sampled ones, whose blocks stay whole.
         """
         if not spec_eligible(r):
             return 0
@@ -797,7 +805,9 @@ class ModelRunner:
         if left <= 0:
             return 0
         n = min(self.num_spec_tokens, self.config.max_model_len - num_tokens - num_emitted)
-        return n if _one_sync_params(p) else min(n, left - 1)
+        if _one_sync_params(p) and (self.conf_sched is None or _whole_blocks(p)):
+            return n
+        return min(n, left - 1)  # (eager steps with confidence scheduling: no verification pipeline to keep)
 
     # ------------------------------------------------------------------ verification
     def _verify(self, verifying, logits: torch.Tensor, offset: dict[int, int], result: StepResult) -> None:
@@ -987,9 +997,10 @@ class ModelRunner:
         else:
             sched = self.conf_sched
             if sched is not None:
-                # seeded sampled requests verify every draft (ConfidenceScheduler: their text follows their seed only)
-                fixed = [not r.params.greedy and r.params.seed is not None for r in reqs]
-                if not any(fixed) and sched.pause_step():
+                # seeded sampled requests verify every draft (ConfidenceScheduler: their text follows their seed)
+                fixed = [_whole_blocks(r.params) for r in reqs]
+                key = frozenset(r.request_id for r in reqs)
+                if not any(fixed) and sched.pause_step(key):
                     return  # speculation paused: these requests decode plainly next step
             dev = self.device
             N = max(c[4] for c in cand)
@@ -1001,10 +1012,13 @@ class ModelRunner:
             tokens, probs = prop.tokens, prop.probs
             toks = tokens.tolist()  # (waits for the proposal)
             if sched is not None and prop.confidence is not None:
-                sched.observe_draft(time.perf_counter() - t0)
-                survival = prop.confidence.cumprod(dim=1).tolist()  # a_{r,j}
+                seconds = time.perf_counter() - t0
+                # a_{r,j}, non-increasing in j (as the admission's order needs) whatever the rounding
+                survival = torch.cummin(prop.confidence.nan_to_num(0.0).cumprod(dim=1), dim=1).values.tolist()
+                others = sum(not spec_eligible(s.request) for _, s in sampling)  # one row each next step
                 # (the first schedules profile target steps on the dummy block: after this step's rows were used)
-                ell = sched.schedule([a[:c[4]] for a, c in zip(survival, cand)], fixed)
+                ell = sched.schedule([a[:c[4]] for a, c in zip(survival, cand)], fixed, others, key)
+                sched.observe_draft(len(cand), seconds)  # after the schedule: a draft's time never steers its own
                 cand = [c[:4] + (l,) for c, l in zip(cand, ell)]
         for j, (_, r, _, _, n) in enumerate(cand):
             if n == 0:  # (confidence scheduling: no draft worth a row) decodes plainly next step

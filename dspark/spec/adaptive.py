@@ -27,8 +27,8 @@ the verified drafts are not), so with adaptive lengths a seeded sampled request'
 
 from __future__ import annotations
 
-from collections import Counter
-from typing import Callable, Sequence
+from collections import Counter, deque
+from typing import Callable, Hashable, Sequence
 
 import numpy as np
 
@@ -277,8 +277,13 @@ class ConfidenceScheduler:
 
     — expected tokens per second of the step, with t(R) the target's measured time for R query rows
     (``row_time``: profiled on the dummy KV block at powers of two, interpolated) and t_draft the
-    drafter's measured time per step (a running mean). The admission stops at the first one that does
-    not raise Θ.
+    drafter's measured time for a batch of that size (``draft_time``: the median of the last
+    ``draft_window`` draftings of batches in the same power-of-two bucket, so that one slow drafting —
+    a compile, the garbage collector, another process — does not count: with a running mean, one such
+    drafting kept speculation paused for hundreds of steps, since paused steps measure nothing). The
+    requests of the step that do not speculate (penalties) count in R and in the tokens as one row and
+    one token each (``others``); requests still prefilling next step are not known here and are left
+    out. The admission stops at the first one that does not raise Θ.
 
     Why it stops there (and not at the best Θ over the whole sorted list, which would sometimes verify
     more): losslessness for sampled requests. Which drafts a step verifies may depend on anything but the
@@ -292,26 +297,30 @@ class ConfidenceScheduler:
     sample, as ``tests/spec/test_spec_engine.py`` checks statistically.
 
     Seeded sampled requests are not scheduled (``fixed``): they verify every draft, so that their text
-    depends on their seed only, not on the measured step times that steer ℓ. Greedy requests' tokens are
-    the target's argmax chain whatever ℓ is.
+    does not depend on the measured step times that steer ℓ (it follows their seed — and, as without
+    scheduling, the step's token budget where ``max_num_batched_tokens`` cuts a verification short,
+    Scheduler.schedule). Greedy requests' tokens are the target's argmax chain whatever ℓ is.
 
     Pausing: Θ of the scheduled step is compared with plain decoding's, B / t(B) with no drafter; when
     plain decoding is ahead (by ``margin``) the next ``pause_steps`` steps draft nothing — the requests
     decode plainly, their drafter context still written — and the step after drafts again to look. Each
     pause that follows another right away is twice as long, up to ``max_pause`` steps (a batch where
     speculation does not pay pays for one drafting in up to max_pause + 1 steps); a step that speculates
-    resets it.
+    resets it. A pause ends early when the set of speculating requests changes (``key``): it was decided
+    for the batch that armed it.
     Drafts already made are not dropped by this (that would decide on their own values, as above); only
     steps not yet drafted are paused. Where the drafter costs a large share of a plain step (a 135 M
     target on a 2-core CPU: ~45 %, and most of its drafts are worth fewer rows at batch 8) speculation then
     costs one drafting in up to ``max_pause + 1`` steps instead of its whole price."""
 
     def __init__(self, row_time: Callable[[int], float], pause_steps: int = 4, max_pause: int = 64,
-                 margin: float = 0.02, draft_weight: float = 0.2) -> None:
+                 margin: float = 0.02, draft_window: int = 5) -> None:
         self.row_time = row_time  # R query rows -> seconds of the target step
-        self.pause_steps, self.max_pause, self.margin, self.draft_weight = pause_steps, max_pause, margin, draft_weight
-        self.draft_time: float | None = None  # seconds per drafting, running mean
+        self.pause_steps, self.max_pause, self.margin = pause_steps, max_pause, margin
+        self.draft_window = draft_window
+        self._drafts: dict[int, deque[float]] = {}  # batch bucket -> seconds of its last draftings
         self.paused_left = 0  # steps still to decode without drafting
+        self.paused_key: Hashable = None  # the speculating requests the pause was decided for
         self.next_pause = pause_steps  # the length of the next pause (doubles while pauses follow each other)
         self.stats = {"scheduled_steps": 0, "drafts_made": 0, "drafts_kept": 0, "paused_steps": 0, "pauses": 0}
 
@@ -320,24 +329,44 @@ class ConfidenceScheduler:
         self.paused_left, self.next_pause = 0, self.pause_steps
         self.stats = dict.fromkeys(self.stats, 0)
 
-    def observe_draft(self, seconds: float) -> None:
-        """One drafting (the proposer's forward and Markov loop, read back) took ``seconds``."""
-        d = self.draft_time
-        self.draft_time = seconds if d is None else d + self.draft_weight * (seconds - d)
+    @staticmethod
+    def _bucket(batch: int) -> int:
+        return max(0, batch - 1).bit_length()
 
-    def pause_step(self) -> bool:
-        """Whether this step skips drafting (counted as a paused step when it does)."""
+    def observe_draft(self, batch: int, seconds: float) -> None:
+        """One drafting for ``batch`` requests (the proposer's forward and Markov loop, read back) took
+        ``seconds``."""
+        q = self._drafts.get(self._bucket(batch))
+        if q is None:
+            q = self._drafts[self._bucket(batch)] = deque(maxlen=self.draft_window)
+        q.append(seconds)
+
+    def draft_time(self, batch: int) -> float:
+        """t_draft for ``batch`` requests: the median of its bucket's last draftings (0 before any)."""
+        q = self._drafts.get(self._bucket(batch))
+        return float(np.median(q)) if q else 0.0
+
+    def pause_step(self, key: Hashable = None) -> bool:
+        """Whether this step skips drafting (counted as a paused step when it does); ``key`` names the
+        speculating requests: a pause armed for others ends here."""
         if self.paused_left <= 0:
+            return False
+        if key != self.paused_key:
+            self.paused_left, self.next_pause = 0, self.pause_steps
             return False
         self.paused_left -= 1
         self.stats["paused_steps"] += 1
         return True
 
-    def schedule(self, survival: Sequence[Sequence[float]], fixed: Sequence[bool]) -> list[int]:
-        """survival[i]: request i's a_{i,1..n_i} (n_i = the drafts it may verify); ``fixed[i]``: it verifies
-        all n_i. Returns ℓ_i per request, and arms the pause when plain decoding would be faster."""
-        td = self.draft_time or 0.0
-        rows = len(survival)
+    def schedule(self, survival: Sequence[Sequence[float]], fixed: Sequence[bool], others: int = 0,
+                 key: Hashable = None) -> list[int]:
+        """survival[i]: request i's a_{i,1..n_i} (n_i = the drafts it may verify), non-increasing in j;
+        ``fixed[i]``: it verifies all n_i; ``others``: requests of the next step that decode without
+        speculating (a row and a token each); ``key``: these requests (see pause_step). Returns ℓ_i per
+        request, and arms the pause when plain decoding would be faster."""
+        b = len(survival)
+        td = self.draft_time(b)
+        rows = b + others
         tokens = float(rows)
         cand = []
         for i, (a, fx) in enumerate(zip(survival, fixed)):
@@ -360,9 +389,8 @@ class ConfidenceScheduler:
         s["drafts_made"] += sum(len(a) for a in survival)
         s["drafts_kept"] += sum(lengths)
         if not any(fixed):  # a seeded request drafts every step anyway: nothing to save by pausing
-            b = len(survival)
-            if theta * (1 + self.margin) < b / self.row_time(b):
-                self.paused_left = self.next_pause
+            if theta * (1 + self.margin) < (b + others) / self.row_time(b + others):
+                self.paused_left, self.paused_key = self.next_pause, key
                 self.next_pause = min(2 * self.next_pause, self.max_pause)
                 s["pauses"] += 1
             else:

@@ -239,7 +239,7 @@ def _sched(row_ms, draft_ms=0.0, **kw):
 
     s = ConfidenceScheduler(lambda r: row_ms(r) / 1e3, **kw)
     if draft_ms:
-        s.observe_draft(draft_ms / 1e3)
+        s.draft_time = lambda batch: draft_ms / 1e3
     return s
 
 
@@ -275,9 +275,9 @@ def test_confidence_scheduler_keeps_seeded_requests_whole_and_pauses_when_plain_
         assert s.schedule([[0.5]], [False]) == [1]  # (the drafts made are still verified)
         assert [s.pause_step() for _ in range(want + 1)] == [True] * want + [False]
     assert s.stats["paused_steps"] == 4 + 8 + 16 + 32 + 64 + 64 and s.stats["pauses"] == 6
-    s.draft_time = 0.0  # a free drafter: as fast as plain decoding (no draft is worth a row here), no pause,
+    s.draft_time = lambda batch: 0.0  # a free drafter: as fast as plain decoding (no draft is worth a row here), no pause,
     assert s.schedule([[0.99, 0.98]], [False]) == [0] and s.paused_left == 0  # and the next pause starts short
-    s.draft_time = 0.1
+    s.draft_time = lambda batch: 0.1
     s.schedule([[0.5]], [False])
     assert s.paused_left == 4
 
@@ -372,3 +372,40 @@ def test_row_time_table_warms_the_rows_of_one_block_up_front():
     assert t.warm(8) == {1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0} and calls == [1, 2, 4, 8]
     assert t.warm(6) and calls == [1, 2, 4, 8]  # (8 covers 6; nothing profiled twice)
     assert list(RowTimeTable(float, cap=4).warm(100)) == [1, 2, 4]
+
+
+def test_confidence_scheduler_draft_time_is_a_median_per_batch_bucket():
+    """One slow drafting (a compile, the collector) does not make plain decoding look faster for long: with a
+    running mean, a first drafting of 1 s kept this batch paused for over a thousand steps (paused steps
+    measure nothing, so the mean never came down); the median of the bucket's last draftings drops it."""
+    from dspark.spec.adaptive import ConfidenceScheduler
+
+    s = ConfidenceScheduler(lambda r: 0.010 + 0.0005 * r)
+    assert s.draft_time(4) == 0.0  # nothing measured yet
+    a = [0.7 ** j for j in range(1, 6)]
+    key = frozenset(range(4))
+    drafted = 0
+    for step in range(200):
+        if s.pause_step(key):
+            continue
+        s.schedule([a] * 4, [False] * 4, key=key)
+        s.observe_draft(4, 1.0 if drafted == 0 else 0.004)
+        drafted += 1
+        if s.paused_left == 0 and drafted > 1:
+            break
+    assert step < 30 and s.stats["paused_steps"] < 20, (step, s.stats)
+    assert s.draft_time(4) == pytest.approx(0.004) and s.draft_time(3) == pytest.approx(0.004)  # 3 and 4: one bucket
+    assert s.draft_time(8) == 0.0  # another bucket: its own measurements
+
+
+def test_confidence_scheduler_counts_requests_that_do_not_speculate_and_ends_pauses_on_a_new_batch():
+    # one speculating request among 31 that decode plainly (penalties); rows free up to 8, then 2 ms each
+    cost = lambda r: 10 if r <= 8 else 10 + 2 * (r - 8)  # noqa: E731  (ms)
+    s = _sched(cost, draft_ms=3)
+    a = [[0.9, 0.8, 0.7, 0.6, 0.5]]
+    assert s.schedule(a, [False], others=31, key="a") == [0]  # every draft costs 2 ms for < 1 token
+    assert s.paused_left == 4 and s.paused_key == "a"  # 32 / t(32) beats 32 / (t(32) + 3 ms)
+    assert _sched(cost, draft_ms=3).schedule(a, [False]) == [5]  # alone, its rows are free
+    # the pause belongs to the batch that armed it
+    assert s.pause_step("a") and s.paused_left == 3
+    assert not s.pause_step("b") and s.paused_left == 0 and s.next_pause == 4

@@ -24,8 +24,8 @@ def fix_costs(llm: LLM, row_time, draft_time: float) -> None:
     cs = llm.engine.runner.conf_sched
     assert cs is not None
     cs.row_time = row_time
-    cs.draft_time = draft_time
-    cs.observe_draft = lambda seconds: None
+    cs.draft_time = lambda batch: draft_time
+    cs.observe_draft = lambda batch, seconds: None
 
 
 def spec_llm(target, drafter, **kw) -> LLM:
@@ -75,13 +75,26 @@ def test_scheduled_sampling_matches_target_distribution(method, tmp_path):
     verification seldom accepts, so this checks the plumbing more than it could see a subtle selection
     bias; the rule that keeps the selection unbiased is checked exactly in test_adaptive.py.)"""
     llm = sampling_llm(tmp_path, method)
-    fix_costs(llm, lambda r: 1.0 + 0.0005 * r, 0.0)  # most requests verify drafts, some fewer than 3
+    fix_costs(llm, lambda r: 1.0 + 0.0005 * r, 0.0)  # most requests verify drafts, some fewer than they could
     n = 6000
-    outs = llm.generate([SAMPLING_PROMPT] * n, SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True))
+    # (max_tokens 4: after the first token each request may verify up to 2 drafts, the ones it can emit)
+    outs = llm.generate([SAMPLING_PROMPT] * n, SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True))
     st, cs = llm.engine.spec_stats, llm.engine.runner.conf_sched.stats
     assert st.num_drafts > st.num_accepted > 0 and 0 < cs["drafts_kept"] < cs["drafts_made"]
     assert len({n for n, _ in st.by_outcome}) > 1, st.by_outcome  # ragged lengths
     assert_second_token_follows_target(llm, outs, {})
+
+
+def test_scheduled_requests_verify_no_draft_past_max_tokens(target, drafter, prompts, reference):
+    """Rows free, so every draft a scheduled request is given is verified: near max_tokens it is given only
+    the drafts it can still emit (a draft past the end would cost a row and count in Θ for nothing)."""
+    llm = spec_llm(target, drafter)
+    fix_costs(llm, lambda r: 1.0 + 1e-6 * r, 0.0)
+    got = [o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))]
+    assert got == [r[:4] for r in reference]
+    st = llm.engine.spec_stats
+    assert st.num_steps > 0 and max(n for n, _ in st.by_outcome) <= 2, st.by_outcome  # 4 - the first token - 1
+    assert set(st.length_steps) <= {1, 2}  # (eager steps are counted by their longest verification)
 
 
 def test_where_confidence_scheduling_is_off(target, drafter, tmp_path, caplog):
