@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 
 from dspark.engine.request import Request
-from dspark.layers.attention import context_slots
+from dspark.layers.attention import context_slots, gather_rows
 from dspark.layers.basic import apply_rope, silu_and_mul
 from dspark.models.dspark_drafter import DSparkDrafter
 from dspark.sample.rng import draft_stream
@@ -112,7 +112,7 @@ class DSparkProposer:
         ctx_kv = []
         for l in range(len(d.layers)):
             kc, vc = self.kv[l, 0], self.kv[l, 1]
-            ctx_kv.append((kc.view(-1, *kc.shape[2:])[slots], vc.view(-1, *vc.shape[2:])[slots]))
+            ctx_kv.append((gather_rows(kc.view(-1, *kc.shape[2:]), slots), gather_rows(vc.view(-1, *vc.shape[2:]), slots)))
         h = d.block_hidden(anchors, anchor_pos, ctx_kv, valid, self.num_slots)  # [B, γ, H]
         U = d.base_logits(h[:, :num_drafts])  # [B, N, V]
         B = anchors.shape[0]
