@@ -20,10 +20,30 @@ KNOWN_ANSWERS = [
 ]
 
 
+@pytest.mark.parametrize("mulhilo", ["split", "wrap"])
 @pytest.mark.parametrize(("counter", "key", "expected"), KNOWN_ANSWERS)
-def test_philox_known_answers(counter: tuple[int, ...], key: tuple[int, ...], expected: tuple[int, ...]) -> None:
+def test_philox_known_answers(counter: tuple[int, ...], key: tuple[int, ...], expected: tuple[int, ...], mulhilo,
+                              monkeypatch) -> None:
+    """Both 32x32-bit products (the split one; the wrapping int64 one, which rng uses where this torch's int64
+    products wrap, as checked at import)."""
+    from dspark.sample import rng
+
+    if mulhilo == "wrap" and not rng._int64_products_wrap():
+        pytest.skip("this torch's int64 products do not wrap: rng uses the split product")
+    monkeypatch.setattr(rng, "_mulhilo", rng._mulhilo_split if mulhilo == "split" else rng._mulhilo_wrap)
     out = philox4x32(torch.tensor(counter, dtype=torch.int64), torch.tensor(key, dtype=torch.int64))
     assert out.tolist() == list(expected)
+
+
+def test_wrapping_product_equals_the_split_one_on_random_words() -> None:
+    from dspark.sample import rng
+
+    if not rng._int64_products_wrap():
+        pytest.skip("this torch's int64 products do not wrap: rng uses the split product")
+    a = torch.randint(0, 2**32, (100_000,), generator=torch.Generator().manual_seed(0), dtype=torch.int64)
+    for m in (rng._PHILOX_M0, rng._PHILOX_M1):
+        for x, y in zip(rng._mulhilo_wrap(a, m), rng._mulhilo_split(a, m)):
+            assert torch.equal(x, y)
 
 
 def test_philox_batched_matches_single() -> None:
