@@ -336,10 +336,7 @@ class ConfidenceScheduler:
     def observe_draft(self, batch: int, seconds: float) -> None:
         """One drafting for ``batch`` requests (the proposer's forward and Markov loop, read back) took
         ``seconds``."""
-        q = self._drafts.get(self._bucket(batch))
-        if q is None:
-            q = self._drafts[self._bucket(batch)] = deque(maxlen=self.draft_window)
-        q.append(seconds)
+        self._drafts.setdefault(self._bucket(batch), deque(maxlen=self.draft_window)).append(seconds)
 
     def draft_time(self, batch: int) -> float:
         """t_draft for ``batch`` requests: the median of its bucket's last draftings (0 before any)."""
