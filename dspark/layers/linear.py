@@ -13,8 +13,9 @@ input-major weight as ``[c, in/c, out]`` (a view: no copy, no extra memory) and 
 threads, summed afterwards. SmolLM2's 121 matrices: 32.0 -> 20.6 ms at one row. From two rows on
 (batch-2 decode, verification, prefill) oneDNN's inner product over the same weight's ``[out, in]`` view
 is faster still (6 rows: 67.7 ms MKL, 45.6 split-K, 30.4 oneDNN; a whole SmolLM2 step of 2 rows with
-torch 2.13: 24.5 ms split-K, 19.8 oneDNN, against 17.4 / 19.3 at one row). Both sum in a different order than one MKL
-GEMV, so results differ in the last bits (fp32 logits ~1e-6 relative), as any change of kernel does.
+torch 2.13: 24.5 ms split-K, 19.8 oneDNN, against 17.4 / 19.3 at one row). Both sum in a different order
+than one MKL GEMV, so results differ in the last bits (fp32 logits ~1e-6 relative), as any change of kernel
+does.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ from torch import nn
 
 SPLIT_K_MAX_ROWS = 1  # more rows than this: oneDNN's inner product (below) is faster
 # oneDNN's inner product (the op inductor's CPU fusion uses), reading the [out, in] view of W_t: at 2+ rows
-# it beats both MKL's GEMM and split-K (batch-2 greedy decode, 2 x 64 tokens: 72.4 -> 89.0 tok/s on the
-# 2-core CI machine, 2026-12-05; it was 3+ rows when measured on 2026-11-30) (SmolLM2, 6 rows: 45.6 ms split-K, 30.4 ms oneDNN; 2,048 rows:
-# 44.4 ms MKL, 36.5 ms oneDNN, one 576x3072 matrix).
+# it beats both MKL's GEMM and split-K (SmolLM2, 6 rows: 45.6 ms split-K, 30.4 ms oneDNN; 2,048 rows: 44.4 ms
+# MKL, 36.5 ms oneDNN, one 576x3072 matrix). It was 3+ rows until 2026-12-05, when 2 rows measured faster too
+# (batch-2 greedy decoding on the 2-core CI machine: 72.4 -> 89.0 tok/s).
 _onednn_linear = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
 if not torch.backends.mkldnn.is_available():
     _onednn_linear = None

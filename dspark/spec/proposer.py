@@ -111,8 +111,8 @@ class DSparkProposer:
         slots, valid = context_slots(block_tables, anchor_pos, self.block_size)
         ctx_kv = []
         for l in range(len(d.layers)):
-            kc, vc = self.kv[l, 0], self.kv[l, 1]
-            ctx_kv.append((gather_rows(kc.view(-1, *kc.shape[2:]), slots), gather_rows(vc.view(-1, *vc.shape[2:]), slots)))
+            kc, vc = (c.view(-1, *c.shape[2:]) for c in (self.kv[l, 0], self.kv[l, 1]))  # [slots, Hkv, D]
+            ctx_kv.append((gather_rows(kc, slots), gather_rows(vc, slots)))
         h = d.block_hidden(anchors, anchor_pos, ctx_kv, valid, self.num_slots)  # [B, γ, H]
         U = d.base_logits(h[:, :num_drafts])  # [B, N, V]
         B = anchors.shape[0]
