@@ -44,6 +44,8 @@ def run_header(benchmark: str, engine, device: str) -> dict:
         "graph_prefill_tokens": cfg.graph_prefill_tokens,
         "graph_prefill_alone": cfg.graph_prefill_alone,
         "enable_prefix_caching": cfg.enable_prefix_caching,
+        # the CPU: products of up to this many rows through split-K, more through oneDNN (measured at start-up)
+        "cpu_split_k_rows": getattr(getattr(engine, "runner", None), "cpu_split_k_rows", None),
     }
 
 

@@ -15,6 +15,7 @@ One step:
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -148,11 +149,13 @@ class ModelRunner:
             from dspark.kernels.rejection import verify_block_triton, verify_standard_triton
 
             self._fused_verify = {"standard": verify_standard_triton, "block": verify_block_triton}
+        self._split_k_modules: list[torch.nn.Module] = []
+        self.cpu_split_k_rows: int | None = None  # the CPU: products of up to this many rows split-K (_choose_split_k_rows)
         if self.device.type == "cpu":  # spread one-row products over the cores (layers/linear.py)
-            use_cpu_split_k(self.model)
             drafter = getattr(self.proposer, "drafter", None)  # DSparkProposer's; test proposers have none
-            if isinstance(drafter, torch.nn.Module):
-                use_cpu_split_k(drafter)
+            self._split_k_modules = [self.model] + ([drafter] if isinstance(drafter, torch.nn.Module) else [])
+            for m in self._split_k_modules:
+                use_cpu_split_k(m)
         self.vocab_size = mc.vocab_size
         self.block_size = config.block_size
         elt = torch.empty((), dtype=config.dtype).element_size()
@@ -188,7 +191,35 @@ class ModelRunner:
         self.conf_sched: ConfidenceScheduler | None = None  # per-request verify lengths of eager steps
         if self.device.type == "cuda" and config.resolved_attention_backend == "triton" and not config.enforce_eager:
             self.enable_graphs(capture=True)
+        if self._split_k_modules:
+            self._choose_split_k_rows()
         self._enable_confidence_scheduling()
+
+    def _choose_split_k_rows(self, rounds: int = 3, margin: float = 0.05) -> None:
+        """The CPU's products of two rows: split-K or oneDNN (layers/linear.py), whichever runs a whole 2-row
+        target step faster here — measured, since machines of one class disagree (session 41: 24.5 ms split-K
+        against 19.8 oneDNN; session 42, another VM: 42.4-44.1 against 49.2). Rounds alternate, each path
+        keeps its fastest; split-K must win by ``margin``, so that near a tie the default (oneDNN) stays and
+        the choice does not follow noise from one process to the next. ``DSPARK_CPU_SPLIT_K_ROWS`` (a row
+        count) fixes the limit instead."""
+        pinned = os.environ.get("DSPARK_CPU_SPLIT_K_ROWS", "")
+        if pinned:
+            if not pinned.isdigit() or int(pinned) < 1:
+                raise ValueError(f"DSPARK_CPU_SPLIT_K_ROWS must be a row count >= 1, got {pinned!r}")
+            rows, why = int(pinned), "DSPARK_CPU_SPLIT_K_ROWS"
+        else:
+            best = {1: float("inf"), 2: float("inf")}
+            for _ in range(rounds):
+                for limit in best:
+                    for m in self._split_k_modules:
+                        use_cpu_split_k(m, max_rows=limit)
+                    best[limit] = min(best[limit], self._profile_rows(2, reps=1))
+            rows = 2 if best[2] < best[1] * (1 - margin) else 1
+            why = f"2-row step {1e3 * best[2]:.1f} ms split-K, {1e3 * best[1]:.1f} ms oneDNN"
+        for m in self._split_k_modules:
+            use_cpu_split_k(m, max_rows=rows)
+        self.cpu_split_k_rows = rows
+        logger.info("CPU products of up to %d row(s) through split-K, more through oneDNN (%s)", rows, why)
 
     def _enable_confidence_scheduling(self) -> None:
         """Confidence-scheduled verification (spec/adaptive.py ConfidenceScheduler) where steps run eagerly and

@@ -16,6 +16,11 @@ is faster still (6 rows: 67.7 ms MKL, 45.6 split-K, 30.4 oneDNN; a whole SmolLM2
 torch 2.13: 24.5 ms split-K, 19.8 oneDNN, against 17.4 / 19.3 at one row). Both sum in a different order
 than one MKL GEMV, so results differ in the last bits (fp32 logits ~1e-6 relative), as any change of kernel
 does.
+
+Which of the two is faster at two rows depends on the machine: on another VM of the same 2-core class (session
+42, 2026-12-05) a whole 2-row SmolLM2 step took 49.2 ms on oneDNN and 42.4-44.1 ms split-K (three rounds), the
+reverse of the figures above. So the limit is per layer (``Linear.split_k_max_rows``, set with
+``use_cpu_split_k``) and the CPU runner measures both at start-up (``ModelRunner._choose_split_k_rows``).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import torch
 from torch import nn
 
 
-SPLIT_K_MAX_ROWS = 1  # more rows than this: oneDNN's inner product (below) is faster
+SPLIT_K_MAX_ROWS = 1  # the default limit: more rows than this go to oneDNN's inner product (below)
 # oneDNN's inner product (the op inductor's CPU fusion uses), reading the [out, in] view of W_t: at 2+ rows
 # it beats both MKL's GEMM and split-K (SmolLM2, 6 rows: 45.6 ms split-K, 30.4 ms oneDNN; 2,048 rows: 44.4 ms
 # MKL, 36.5 ms oneDNN, one 576x3072 matrix). It was 3+ rows until 2026-12-05, when 2 rows measured faster too
@@ -42,6 +47,7 @@ class Linear(nn.Module):
         self.weight_t = nn.Parameter(torch.empty(in_features, out_features), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
         self.split_k = 1  # > 1: CPU split-K bmm over this many input slices (see the module docstring)
+        self.split_k_max_rows = SPLIT_K_MAX_ROWS  # products of more rows than this: oneDNN (the CPU, split_k > 1)
         self.batch_invariant = False  # True: dspark/kernels/matmul.py (row results independent of the row count)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
@@ -53,7 +59,7 @@ class Linear(nn.Module):
         if c > 1 and x.device.type == "cpu":
             k, n = self.weight_t.shape
             rows = x.reshape(-1, k)
-            if rows.shape[0] <= SPLIT_K_MAX_ROWS:
+            if rows.shape[0] <= self.split_k_max_rows:
                 part = torch.bmm(rows.view(rows.shape[0], c, k // c).transpose(0, 1), self.weight_t.view(c, k // c, n))
                 y = part.sum(0)
                 if self.bias is not None:
@@ -79,15 +85,16 @@ class Linear(nn.Module):
             self.bias.copy_(bias)
 
 
-def use_cpu_split_k(module: nn.Module, chunks: int | None = None) -> int:
+def use_cpu_split_k(module: nn.Module, chunks: int | None = None, max_rows: int = SPLIT_K_MAX_ROWS) -> int:
     """Switch every Linear in ``module`` whose input size divides evenly to the CPU split-K path with
-    ``chunks`` slices (default: torch's intra-op thread count, at most 8; 1 turns it off). Returns how
-    many layers were switched."""
+    ``chunks`` slices (default: torch's intra-op thread count, at most 8; 1 turns it off) for products of
+    up to ``max_rows`` rows (more: oneDNN). Returns how many layers were switched."""
     c = min(torch.get_num_threads(), 8) if chunks is None else chunks
     n = 0
     for m in module.modules():
         if isinstance(m, Linear):
             m.split_k = c if c > 1 and m.weight_t.shape[0] % c == 0 and m.weight_t.is_contiguous() else 1
+            m.split_k_max_rows = max_rows
             n += m.split_k > 1
     return n
 
