@@ -191,7 +191,7 @@ class ModelRunner:
         self.conf_sched: ConfidenceScheduler | None = None  # per-request verify lengths of eager steps
         if self.device.type == "cuda" and config.resolved_attention_backend == "triton" and not config.enforce_eager:
             self.enable_graphs(capture=True)
-        if self._split_k_modules:
+        if self._split_k_modules and not config.batch_invariant:  # (batch-invariant mode: its own matmul)
             self._choose_split_k_rows()
         self._enable_confidence_scheduling()
 
