@@ -211,7 +211,7 @@ def _kv_args(k_block, v_block, k_cache, v_cache, block_tables) -> tuple[int, ...
 # context 128-4,000 (batch 1: -0.2 to -0.4 µs; batch 12 at 1,000 keys: 9.9 -> 8.8 µs).
 DRAFTER_TUNING = {"block_n": 64, "num_warps": 2, "num_stages": 2}
 
-# Past SmolLM2's shapes (not timed yet; --seed-shape times them): a row tile holds at most DRAFTER_ROW_TILE and
+# Past SmolLM2's shapes (timed in session 43, below): a row tile holds at most DRAFTER_ROW_TILE and
 # a K or V tile DRAFTER_KEY_TILE values of BLOCK_D columns, and the warps grow with the row tile so that a
 # thread holds at most 32 accumulator values, as over SmolLM2's 32 x 64 tile at 2 warps. The query rows and
 # their fp32 accumulator stay in registers through the whole key loop, the K and V tiles of each pipeline
@@ -222,6 +222,11 @@ DRAFTER_TUNING = {"block_n": 64, "num_warps": 2, "num_stages": 2}
 # 64-key tiles need 150-360 KB of shared memory. So: 16 rows, 32 keys, 8 warps at head_dim 512 (64 rows, 8
 # warps at 128, where a 64-row tile spills at 2 warps). SmolLM2 (21 rows x 64) stays one 32-row tile with
 # DRAFTER_TUNING's launch, compiled to the same instructions as before row tiles existed.
+# Timed at seed 001's shape on an H100 (session 43, --seed-shape; docs/benchmarks.md): every launch correct, but
+# at batch 12 this rule is 1.5-2.0x slower than the best of the sweep. 32-row x 64-key tiles at 8 warps won at
+# Hq 32 (17.5 against 35.9 us at context 128), spills notwithstanding; 16-row tiles at 4 warps at Hq 64; and 1-2
+# key splits rather than 4. Not adopted yet: the sweep ran at batch 12 only, and --seed-grid (batch 1 / 4 / 12)
+# is what a rule that does not lose at batch 1 needs.
 DRAFTER_ROW_TILE = 8192
 DRAFTER_KEY_TILE = 16384
 ACC_PER_WARP = 32 * 32
