@@ -164,6 +164,7 @@ class LLMEngine:
         if self.requests:
             raise RuntimeError("warm_up runs before any request")
         t0 = time.perf_counter()
+        self.runner.precompile_verification()  # every draft count's verification kernels, not only those met below
         seed_state = self._seed_rng.getstate()  # requests without a seed draw theirs from this stream
         V, L = self.model_config.vocab_size, self.config.max_model_len
         budget = 8  # new tokens per request

@@ -976,13 +976,33 @@ class ModelRunner:
         that method, which gives the same tokens (block: up to a near-tie U_i ≈ h_i, kernels/rejection.py)."""
         kernel = self._fused_verify.get(method)
         if kernel is not None:
-            try:
-                return kernel(*args)
+            try:  # every N up to the block size on one compiled kernel (kernels/rejection.py, "Compiled variants")
+                return kernel(*args, max_drafts=self.num_spec_tokens)
             except Exception as e:  # noqa: BLE001 (any compile/launch failure: the torch path is equivalent)
                 logger.warning("fused verification kernel failed (%s: %s); verifying %s with torch ops from now on",
                                type(e).__name__, e, method)
                 del self._fused_verify[method]
         return verify_probabilistic(*args, method=method)
+
+    def precompile_verification(self) -> int:
+        """Build the configured method's fused verification kernels for every draft count and batch
+        size before serving (kernels/rejection.py ``precompile``): an eager step (--enforce-eager, or a step the
+        graphs do not cover) would otherwise compile one the first time its count of drafts or of sampled
+        requests came up — under confidence scheduling on an H100, 1.3-1.7 s inside a timed bench call
+        (session 43). Returns the verifications run (0 where there is nothing to build). A kernel that fails
+        to build is dropped as _verify_probabilistic drops it: the torch path verifies that method."""
+        method = self.spec.rejection_sample_method if self.spec is not None else None
+        if not self.num_spec_tokens or method not in self._fused_verify:  # (the triton backend only: a GPU, or
+            return 0  # the CPU in Triton's interpreter, as the tests run it)
+        from dspark.kernels.rejection import precompile
+
+        try:
+            return precompile(method, self.vocab_size, self.num_spec_tokens, self.device)
+        except Exception as e:  # noqa: BLE001 (as _verify_probabilistic: the torch path is equivalent)
+            logger.warning("fused verification kernel failed (%s: %s); verifying %s with torch ops from now on",
+                           type(e).__name__, e, method)
+            del self._fused_verify[method]
+            return 0
 
     def _logprobs(self, sampling, logits: torch.Tensor, offset: dict[int, int], result: StepResult) -> None:
         want = [(b, s) for b, s in sampling if s.request.params.logprobs is not None]

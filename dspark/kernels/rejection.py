@@ -51,6 +51,19 @@ sums; acceptance and the partial Gumbel maxima; the shared reduction). With N <=
 to compute (h_1 = P_1 = min(r_1, 1): block is standard there) and the first of the three is skipped.
 Again, grid and loop bounds come from shapes only: no host synchronisation, CUDA-graph capturable.
 
+Compiled variants
+-----------------
+Triton compiles a kernel once per set of constexprs and per specialisation of its integer arguments (== 1,
+divisible by 16). Eager steps verify a number of drafts and of sampled requests that changes from step to step
+(confidence scheduling, dspark.md §4), and each new combination used to compile when it first came up: on an
+H100, 1.3-1.7 s inside a timed bench call (session 43). So the shapes that vary are kept out of the compiled
+kernel: the draft dimension is padded to ``max_drafts`` (N_PAD, OUT_PAD: the caller's block size; the padding
+slots are masked, and the acceptance uniforms are counter-based, so column i - 1 is U_i whatever the width), the
+reduction's split dimension to the vocabulary's tile count (S_PAD), and B, N, the tiles per split and the split
+count are not specialised on. What is left is HAS_MASS (N >= 2) and FINAL (one split), at most four kernels per
+method, which ``precompile`` builds before serving (for a vocabulary size that is a multiple of 16; otherwise the
+row strides' divisibility by 16 changes with N too, and a few more are compiled when first used).
+
 Draft ids outside [0, V) in real draft slots (the reference would fail on them in its gather) are
 read as p_i(X_i) = q_i(X_i) = 0, so r_i = 0: the standard kernel rejects them, and in block P_i = 0
 (then R_j = 0 and h_j = 0 for j >= i: τ < i). Either way such a draft is never emitted.
@@ -87,7 +100,7 @@ from dspark.kernels import check_device, next_pow2
 from dspark.kernels.markov_sampler import _gumbel_from_words, _hi32, _lo32, _log, _philox, _precise
 from dspark.sample.rng import STREAM_ACCEPT, STREAM_RECOVER
 
-__all__ = ["verify_standard_triton", "verify_block_triton"]
+__all__ = ["verify_standard_triton", "verify_block_triton", "precompile"]
 
 _NEG_INF = tl.constexpr(float("-inf"))
 _TINY = tl.constexpr(1.1754943508222875e-38)  # torch.finfo(torch.float32).tiny, as rejection._TINY
@@ -195,7 +208,7 @@ def _final_token(
         tl.store(acc_ptr + rows, a, mask=rm & (s == 0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["sdt_b", "B", "N", "TPS", "S"])  # "Compiled variants" in the module docstring
 def _verify_standard_kernel(
     tp_ptr, stp_b, stp_r,  # target probs [B, N+1, V] f32, unit stride over V
     dt_ptr, sdt_b,  # draft tokens [B, N] int64
@@ -282,7 +295,7 @@ def _block_mass_tile(
     return part
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["sdt_b", "B", "N", "TPS"])
 def _block_mass_kernel(
     tp_ptr, stp_b, stp_r, dt_ptr, sdt_b, dp_ptr, sdp_b, sdp_r, nd_ptr,
     part_ptr,  # tile sums [B, NT, N_PAD] f32
@@ -306,7 +319,7 @@ def _block_mass_kernel(
         tl.store(part_ptr + (rows[:, None] * NT + t) * N_PAD + j, part, mask=rm[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["sdt_b", "B", "N", "TPS", "S"])
 def _verify_block_kernel(
     tp_ptr, stp_b, stp_r,  # target probs [B, N+1, V] f32, unit stride over V
     dt_ptr, sdt_b,  # draft tokens [B, N] int64
@@ -366,7 +379,7 @@ def _first_argmax(best, idx, sm, S_PAD: tl.constexpr):
     return tl.sum(tl.where(ss == first[:, None], idx, 0), 1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["sdt_b", "B", "N", "S"])
 def _verify_reduce_kernel(
     dt_ptr, sdt_b, nd_ptr, out_ptr, nout_ptr, pf_ptr, pi_ptr, acc_ptr, B, N, S,
     BLOCK_B: tl.constexpr, S_PAD: tl.constexpr, OUT_PAD: tl.constexpr,
@@ -400,6 +413,28 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[idx]
 
 
+def _launch(batch: int, n: int, vocab: int, cuda: bool, sms: int, block_v: int | None, block_b: int | None,
+            splits: int | None, max_drafts: int | None) -> dict:
+    """The launch of one verification: tile sizes, grid, split count and the constexprs, from the shapes, the
+    device and the tuning knobs only (see the verify functions; "Compiled variants" in the module docstring)."""
+    if block_v is None:
+        block_v = 1024 if cuda else 128
+    block_v = max(16, next_pow2(min(block_v, max(vocab, 1))))
+    if block_b is None:
+        block_b = 1 if cuda else min(64, next_pow2(batch))
+    block_b = next_pow2(block_b)
+    nt = triton.cdiv(vocab, block_v)
+    n_prog = triton.cdiv(batch, block_b)
+    if splits is None:
+        splits = triton.cdiv(2 * sms, n_prog) if cuda else 1
+    tps = triton.cdiv(nt, max(1, min(splits, nt)))  # tiles per split
+    n_split = max(1, triton.cdiv(nt, tps))  # no empty split
+    width = max(n, max_drafts or 0)
+    return {"block_v": block_v, "block_b": block_b, "nt": nt, "n_prog": n_prog, "tps": tps, "n_split": n_split,
+            "final": n_split == 1, "has_mass": n >= 2, "n_pad": max(4, next_pow2(width)),
+            "out_pad": next_pow2(width + 1), "s_pad": next_pow2(nt)}
+
+
 def _verify_triton(
     method: str,
     target_probs: Tensor,
@@ -414,6 +449,7 @@ def _verify_triton(
     block_b: int | None,
     splits: int | None,
     num_warps: int,
+    max_drafts: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """verify_standard_triton / verify_block_triton: the checks, conversions, layout and launches."""
     check_device(target_probs)
@@ -445,21 +481,10 @@ def _verify_triton(
     positions = positions.to(device=dev, dtype=torch.int64).contiguous()
 
     cuda = dev.type == "cuda"
-    if block_v is None:
-        block_v = 1024 if cuda else 128
-    block_v = max(16, next_pow2(min(block_v, max(vocab, 1))))
-    if block_b is None:
-        block_b = 1 if cuda else min(64, next_pow2(batch))
-    block_b = next_pow2(block_b)
-    nt = triton.cdiv(vocab, block_v)
-    n_prog = triton.cdiv(batch, block_b)
-    if splits is None:
-        splits = triton.cdiv(2 * _sm_count(dev), n_prog) if cuda else 1
-    tps = triton.cdiv(nt, max(1, min(splits, nt)))  # tiles per split
-    n_split = max(1, triton.cdiv(nt, tps))  # no empty split
-    final = n_split == 1
-    n_pad = max(4, next_pow2(n))
-    out_pad = next_pow2(n + 1)
+    L = _launch(batch, n, vocab, cuda, _sm_count(dev) if cuda else 1, block_v, block_b, splits, max_drafts)
+    block_v, block_b, nt, n_prog, tps, n_split, final = (L[k] for k in ("block_v", "block_b", "nt", "n_prog", "tps",
+                                                                         "n_split", "final"))
+    n_pad, out_pad = L["n_pad"], L["out_pad"]
     opts = {"enable_fp_fusion": False} if cuda else {}  # round like torch's separate ops
     if final:
         pf = pi = acc = num_emitted  # never written
@@ -479,7 +504,7 @@ def _verify_triton(
             num_warps=num_warps, **opts,
         )
     else:
-        has_mass = n >= 2  # R_i exists for 1 <= i < N
+        has_mass = L["has_mass"]  # R_i exists for 1 <= i < N
         part = num_emitted  # never read unless written below
         if has_mass and not final:
             part = torch.empty(batch, nt, n_pad, dtype=torch.float32, device=dev)
@@ -497,7 +522,7 @@ def _verify_triton(
     if not final:
         _verify_reduce_kernel[(n_prog,)](
             draft_tokens, sdt_b, num_drafts, tokens, num_emitted, pf, pi, acc, batch, n, n_split,
-            BLOCK_B=block_b, S_PAD=next_pow2(n_split), OUT_PAD=out_pad, num_warps=num_warps,
+            BLOCK_B=block_b, S_PAD=L["s_pad"], OUT_PAD=out_pad, num_warps=num_warps,
         )
     return tokens, num_emitted
 
@@ -516,6 +541,7 @@ def verify_standard_triton(
     block_b: int | None = None,
     splits: int | None = None,
     num_warps: int = 4,
+    max_drafts: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``verify_probabilistic(target_probs, draft_tokens, draft_probs, num_drafts, seeds, positions,
     "standard", accept_stream, recover_stream)``, fused (see the module docstring).
@@ -529,10 +555,12 @@ def verify_standard_triton(
     Tuning (defaults by device): ``block_v`` vocabulary tile (1024 on CUDA, 128 in the interpreter);
     ``block_b`` requests per program (1 on CUDA; up to 64 in the interpreter, where wide tiles are
     cheap and programs are not); ``splits`` programs per request over the vocabulary (CUDA: enough
-    for ~2 programs per SM; interpreter: 1). One split is one launch, more are two.
+    for ~2 programs per SM; interpreter: 1). One split is one launch, more are two. ``max_drafts``: the
+    most drafts the caller ever verifies (its block size); every N up to it then runs the same compiled
+    kernel (the module docstring's "Compiled variants"). It changes no token.
     """
     return _verify_triton("standard", target_probs, draft_tokens, draft_probs, num_drafts, seeds, positions,
-                          accept_stream, recover_stream, block_v, block_b, splits, num_warps)
+                          accept_stream, recover_stream, block_v, block_b, splits, num_warps, max_drafts)
 
 
 def verify_block_triton(
@@ -549,6 +577,7 @@ def verify_block_triton(
     block_b: int | None = None,
     splits: int | None = None,
     num_warps: int = 4,
+    max_drafts: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``verify_probabilistic(target_probs, draft_tokens, draft_probs, num_drafts, seeds, positions,
     "block", accept_stream, recover_stream)``, fused (see the module docstring): the same arguments,
@@ -558,4 +587,24 @@ def verify_block_triton(
     (``block_b`` 1 on CUDA) a request's tokens do not depend on the rest of its batch.
     """
     return _verify_triton("block", target_probs, draft_tokens, draft_probs, num_drafts, seeds, positions,
-                          accept_stream, recover_stream, block_v, block_b, splits, num_warps)
+                          accept_stream, recover_stream, block_v, block_b, splits, num_warps, max_drafts)
+
+
+def precompile(method: str, vocab: int, max_drafts: int, device: torch.device | str) -> int:
+    """Build, before serving, every kernel ``method``'s verification can need for up to ``max_drafts`` drafts at
+    any batch size: N = 1 and N = max_drafts (without and with HAS_MASS), each with the vocabulary split and
+    in one split (FINAL), on one-request dummy inputs (the batch size is not specialised on). Returns the
+    number of verifications run. The engine calls it at warm-up (LLMEngine.warm_up, ModelRunner), where
+    eager steps would otherwise compile these while serving (the module docstring's "Compiled variants")."""
+    fn = {"standard": verify_standard_triton, "block": verify_block_triton}[method]
+    dev = torch.device(device)
+    runs = 0
+    for n in sorted({1, max_drafts}):
+        probs = torch.full((1, n + 1, vocab), 1.0 / vocab, device=dev)
+        q = torch.full((1, n, vocab), 1.0 / vocab, device=dev)
+        one = torch.ones(1, dtype=torch.int64, device=dev)
+        for splits in (None, 1):
+            fn(probs, torch.zeros(1, n, dtype=torch.int64, device=dev), q, one * n, one, one, splits=splits,
+               max_drafts=max_drafts)
+            runs += 1
+    return runs

@@ -122,7 +122,7 @@ def test_failing_fused_verification_falls_back_to_torch(target, drafter, prompts
     llm = mk()
     calls = []
 
-    def broken(*args):
+    def broken(*args, **kw):
         calls.append(1)
         raise RuntimeError("no such instruction")
 
@@ -208,3 +208,26 @@ def test_sampling_settings_rewritten_only_when_changed(target, drafter):
     G.flip()  # the other pinned set has its own record
     G.prepare_sampling(2, [1], [p2], [3], [False])
     assert G._hf[1] == pytest.approx(1.3)
+
+
+def test_precompile_verification(target, drafter, monkeypatch, caplog):
+    """The warm-up builds the configured method's verification kernels for every draft count
+    (kernels/rejection.py precompile: N = 1 and the block size, split and not); one that fails to build is
+    dropped with the fallback's warning, and a plain engine has nothing to build."""
+    kw = {"speculative_config": {"model": str(drafter), "draft_sample_method": "probabilistic"}}
+    mk = lambda **extra: LLM(str(target), device="cpu", block_size=4, num_kv_blocks=64,  # noqa: E731
+                             attention_backend="triton", max_num_seqs=3, **extra)
+    runner = mk(**kw).engine.runner
+    assert runner.num_spec_tokens == 4 and runner.precompile_verification() == 4
+    assert mk().engine.runner.precompile_verification() == 0
+
+    import dspark.kernels.rejection as rejection
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no such instruction")
+
+    monkeypatch.setattr(rejection, "precompile", broken)
+    with caplog.at_level("WARNING"):
+        assert runner.precompile_verification() == 0
+    assert "standard" not in runner._fused_verify and "block" in runner._fused_verify
+    assert "fused verification kernel failed (RuntimeError: no such instruction)" in caplog.text

@@ -489,3 +489,47 @@ def test_block_lossless_chi_square() -> None:
     assert df == 2 and stat < CHI2_999_BLOCK[df], f"τ: chi2 {stat:.1f}"
     stat, df = _chi2(torch.bincount(tokens[tau == 2, 2], minlength=V), p[2])
     assert df == 5 and stat < CHI2_999_BLOCK[df], f"bonus token: chi2 {stat:.1f}"
+
+
+# ------------------------------------------------------------------------------------ compiled variants
+@pytest.mark.parametrize("method", ["standard", "block"])
+def test_max_drafts_pads_without_changing_tokens(method: str) -> None:
+    """Padding the draft dimension to the caller's block size (max_drafts: one compiled kernel for every N up
+    to it) gives the same tokens, bit for bit, on one launch and on a vocabulary split."""
+    fn = verify_standard_triton if method == "standard" else verify_block_triton
+    for N in (1, 2, 5):
+        inputs = _inputs(4, N, 67, seed=40 + N)
+        for kw in ({}, dict(block_b=1, block_v=16, splits=3)):
+            base = fn(*inputs, **kw)
+            for max_drafts in (N, 7, 16):
+                got = fn(*inputs, **kw, max_drafts=max_drafts)
+                assert torch.equal(got[0], base[0]) and torch.equal(got[1], base[1]), (N, kw, max_drafts)
+
+
+def test_one_launch_shape_for_every_draft_count_and_batch() -> None:
+    """With max_drafts, the constexprs of a GPU launch do not depend on how many drafts or sampled requests a
+    step verifies (confidence scheduling changes both every step): only HAS_MASS (N >= 2) and FINAL (one
+    split) are left, four kernels, which ``precompile`` builds. Without it each draft count had its own."""
+    from dspark.kernels.rejection import _launch
+
+    def shapes(max_drafts):
+        out = set()
+        for n in range(1, 8):
+            for batch in range(1, 600):
+                L = _launch(batch, n, 49152, True, 132, None, None, None, max_drafts)
+                out.add((L["n_pad"], L["out_pad"], L["s_pad"], L["block_v"], L["block_b"], L["has_mass"], L["final"]))
+        return out
+
+    padded = shapes(7)
+    assert {s[:5] for s in padded} == {(8, 8, 64, 1024, 1)}
+    assert {s[5:] for s in padded} == {(False, False), (True, False), (False, True), (True, True)}
+    assert len({s[:2] for s in shapes(None)}) == 4  # N_PAD / OUT_PAD: (4, 2), (4, 4), (4, 8), (8, 8)
+
+
+@pytest.mark.parametrize("method", ["standard", "block"])
+def test_precompile_runs_every_variant(method: str) -> None:
+    """precompile runs N = 1 and N = max_drafts, each split and in one split, on dummy inputs, and returns the count."""
+    from dspark.kernels.rejection import precompile
+
+    assert precompile(method, 50, 5, "cpu") == 4
+    assert precompile(method, 50, 1, "cpu") == 2
