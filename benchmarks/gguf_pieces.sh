@@ -19,6 +19,9 @@
 # every kernel again (session 19: a bench process loaded in 138 s cold against 29 s warm, an
 # acceptance run's graph capture took ~180 s cold). Make one at the end of a session's last call:
 #     tar -C ~/.triton -czf "$OUT/triton-cache.tar.gz" cache      (returned files are at most 16 MiB)
+# or, when it is larger (session 43's was 23.6 MB and did not come back), in pieces joined here afterwards:
+#     tar -C ~/.triton -czf - cache | split -b 15M -a 2 - "$OUT/triton-cache.tar.gz.p_"
+#     cat <files_at>/triton-cache.tar.gz.p_a? > .model/triton-cache.tar.gz
 # Triton keys its cache on the kernel source, its version and the GPU, so entries of kernels changed
 # since are simply not hit.
 set -euo pipefail
