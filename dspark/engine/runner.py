@@ -979,10 +979,14 @@ class ModelRunner:
             try:  # every N up to the block size on one compiled kernel (kernels/rejection.py, "Compiled variants")
                 return kernel(*args, max_drafts=self.num_spec_tokens)
             except Exception as e:  # noqa: BLE001 (any compile/launch failure: the torch path is equivalent)
-                logger.warning("fused verification kernel failed (%s: %s); verifying %s with torch ops from now on",
-                               type(e).__name__, e, method)
-                del self._fused_verify[method]
+                self._drop_fused_verify(method, e)
         return verify_probabilistic(*args, method=method)
+
+    def _drop_fused_verify(self, method: str, error: Exception) -> None:
+        """Verify ``method`` with torch ops from now on (its fused kernel failed to build or launch), warning once."""
+        logger.warning("fused verification kernel failed (%s: %s); verifying %s with torch ops from now on",
+                       type(error).__name__, error, method)
+        del self._fused_verify[method]
 
     def precompile_verification(self) -> int:
         """Build the configured method's fused verification kernels for every draft count and batch
@@ -999,9 +1003,7 @@ class ModelRunner:
         try:
             return precompile(method, self.vocab_size, self.num_spec_tokens, self.device)
         except Exception as e:  # noqa: BLE001 (as _verify_probabilistic: the torch path is equivalent)
-            logger.warning("fused verification kernel failed (%s: %s); verifying %s with torch ops from now on",
-                           type(e).__name__, e, method)
-            del self._fused_verify[method]
+            self._drop_fused_verify(method, e)
             return 0
 
     def _logprobs(self, sampling, logits: torch.Tensor, offset: dict[int, int], result: StepResult) -> None:
