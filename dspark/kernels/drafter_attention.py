@@ -20,7 +20,7 @@ stays in registers through the key loop. SmolLM2's 21 × 64 fits one tile easily
 drafter (seed 001's shape: 64 query heads, 32 per GPU at TP 2, one 512-wide KV head, γ = 5 block rows, a
 128-token sliding window, per-head sinks) stacks 160-320 rows × 512, far past any register file. The rows
 are then cut into ``row_tiles`` tiles of ``block_m`` consecutive rows (``drafter_launch``: at most
-DRAFTER_ROW_TILE values per tile, 16 rows at head_dim 512), one program per (request, KV head × row
+DRAFTER_ROW_TILE values per tile; at head_dim 512 16 or 32 rows by batch), one program per (request, KV head × row
 tile, key slice), each streaming the context once: the request's context is read once per row tile
 (the tiles of one KV head are neighbours in the grid, so likely from L2 after the first) instead of once
 per (row, head), and the split count is chosen for all these programs. SmolLM2's shapes keep one tile
@@ -48,9 +48,10 @@ from dspark.kernels.paged_attention import (
     _store_rows,
     check_device,
     combine_splits,
-    default_num_splits,
     dot_precision,
     next_pow2,
+    sm_count,
+    split_count,
 )
 from dspark.layers.attention import context_slots
 
@@ -202,7 +203,7 @@ def _kv_args(k_block, v_block, k_cache, v_cache, block_tables) -> tuple[int, ...
             block_tables.stride(0))
 
 
-# The shared-tile kernel's key tile, warps and pipeline stages (the split count: default_num_splits). Swept
+# The shared-tile kernel's key tile, warps and pipeline stages (the split count: drafter_num_splits). Swept
 # on the H200 in session 29 (benchmarks/kernel_attention_bench.py --drafter-sweep; docs/benchmarks.md): 64
 # keys x 4 warps with the default splits was within 0.2 µs of the best of 18 settings at batch 12 (γ 5 and
 # 7); 8 warps lost nearly everywhere. Session 37 (--drafter-floor: splits x key tile x warps x stages, 48
@@ -223,29 +224,57 @@ DRAFTER_TUNING = {"block_n": 64, "num_warps": 2, "num_stages": 2}
 # warps at 128, where a 64-row tile spills at 2 warps). SmolLM2 (21 rows x 64) stays one 32-row tile with
 # DRAFTER_TUNING's launch, compiled to the same instructions as before row tiles existed.
 # Timed at seed 001's shape on an H100 (session 43, --seed-shape; docs/benchmarks.md): every launch correct, but
-# at batch 12 this rule is 1.5-2.0x slower than the best of the sweep. 32-row x 64-key tiles at 8 warps won at
-# Hq 32 (17.5 against 35.9 us at context 128), spills notwithstanding; 16-row tiles at 4 warps at Hq 64; and 1-2
-# key splits rather than 4. Not adopted yet: the sweep ran at batch 12 only, and --seed-grid (batch 1 / 4 / 12)
-# is what a rule that does not lose at batch 1 needs.
+# at batch 12 this rule was 1.5-2.0x slower than the best of the sweep (4 key splits of 16-row tiles at 8 warps).
+# Session 44 (--seed-grid: two tile shapes x splits 1-8 x batch 1 / 4 / 12, Hq 32 / 64, context 128 / 512) gave
+# the rule used now at head_dim >= WIDE_HEAD_DIM: WIDE_TILES (16 rows x 32 keys x 4 warps below
+# WIDE_LARGE_MIN_BATCH requests, 32 x 64 x 8 from there; 32-row tiles lose at batch 1 at short context, 15.0 vs
+# 10.5 us, and win from batch 4) and the split count that brings the programs to about one per SM
+# (WIDE_PROGRAMS_PER_SM, where the general rule asks 4 per SM: at batch 12, 4 splits cost 1.5-3x one or two).
+# Predicted from the grid (H100, 132 SMs, the H200's count): within 20 % of the best of the 9 launches timed in
+# each of the 12 cells (the best in 7); against the old default 2-3 % slower at batch 1 at context 128, 1.3-1.4x
+# faster at 512, 1.1-1.6x at batch 4 and 1.9-2.4x at batch 12. Checked with --seed-shape (docs/benchmarks.md).
+# Head dims between 128 and 512 keep the register-based rule below (not timed).
+WIDE_HEAD_DIM = 512
+WIDE_TILES = {"small": {"block_m": 16, "block_n": 32, "num_warps": 4},
+              "large": {"block_m": 32, "block_n": 64, "num_warps": 8}}
+WIDE_LARGE_MIN_BATCH = 4
+WIDE_PROGRAMS_PER_SM = 1
+DRAFTER_PROGRAMS_PER_SM = 4  # default_num_splits's, everywhere else
 DRAFTER_ROW_TILE = 8192
 DRAFTER_KEY_TILE = 16384
 ACC_PER_WARP = 32 * 32
 
 
-def drafter_launch(gamma: int, G: int, head_dim: int, block_m: int | None = None) -> dict:
-    """The shared-tile kernel's default launch for γ block rows of G query heads per KV head: ``block_m``
-    (rows per tile: the whole γ × G stack in one tile of at least 16 rows for ``tl.dot``, cut into tiles of
-    DRAFTER_ROW_TILE / BLOCK_D rows when larger), ``row_tiles``, ``block_n``, ``num_warps``, ``num_stages``.
-    A given ``block_m`` (a power of two >= 16) replaces the rule's."""
+def drafter_launch(gamma: int, G: int, head_dim: int, block_m: int | None = None, batch: int = 1) -> dict:
+    """The shared-tile kernel's default launch for ``batch`` requests of γ block rows of G query heads per KV
+    head: ``block_m`` (rows per tile: the whole γ × G stack in one tile of at least 16 rows for ``tl.dot``, cut
+    into tiles of DRAFTER_ROW_TILE / BLOCK_D rows when larger; at head_dim >= WIDE_HEAD_DIM, WIDE_TILES by
+    batch), ``row_tiles``, ``block_n``, ``num_warps``, ``num_stages`` and ``programs_per_sm`` (what the split
+    count aims at: ``drafter_num_splits``). A given ``block_m`` (a power of two >= 16) replaces the rule's, with
+    the register-based key tile and warps."""
     block_d = next_pow2(head_dim)
+    if block_m is not None and (block_m < 16 or block_m & (block_m - 1)):
+        raise ValueError(f"block_m must be a power of two >= 16, got {block_m}")
+    if block_m is None and block_d >= WIDE_HEAD_DIM:
+        tile = WIDE_TILES["small" if batch < WIDE_LARGE_MIN_BATCH else "large"]
+        return {**tile, "row_tiles": -(-gamma * G // tile["block_m"]), "num_stages": DRAFTER_TUNING["num_stages"],
+                "programs_per_sm": WIDE_PROGRAMS_PER_SM}
     if block_m is None:
         block_m = min(next_pow2(max(16, gamma * G)), max(16, DRAFTER_ROW_TILE // block_d))
-    elif block_m < 16 or block_m & (block_m - 1):
-        raise ValueError(f"block_m must be a power of two >= 16, got {block_m}")
     return {"block_m": block_m, "row_tiles": -(-gamma * G // block_m),
             "block_n": min(DRAFTER_TUNING["block_n"], max(16, DRAFTER_KEY_TILE // block_d)),
             "num_warps": max(DRAFTER_TUNING["num_warps"], block_m * block_d // ACC_PER_WARP),
-            "num_stages": DRAFTER_TUNING["num_stages"]}
+            "num_stages": DRAFTER_TUNING["num_stages"], "programs_per_sm": DRAFTER_PROGRAMS_PER_SM}
+
+
+def drafter_num_splits(launch: dict, programs: int, device: torch.device, max_ctx_len: int | None,
+                       block_n: int) -> int:
+    """The key-split count for ``programs`` (request, KV head × row tile) programs at ``launch``'s
+    ``programs_per_sm`` (the largest power of two that keeps them within it, each split at least one key
+    tile of ``max_ctx_len``; ``split_count``). 1 off the GPU."""
+    if device.type != "cuda":
+        return 1
+    return split_count(programs, sm_count(device), max_ctx_len, block_n, launch["programs_per_sm"])
 
 
 def drafter_attention(
@@ -278,9 +307,9 @@ def drafter_attention(
     assert out.shape == q.shape and out.is_contiguous()
     if B == 0:
         return out
-    launch = drafter_launch(gamma, G, D, block_m)
+    launch = drafter_launch(gamma, G, D, block_m, batch=B)
     block_n = block_n or launch["block_n"]
-    splits = num_splits or default_num_splits(B * Hkv * launch["row_tiles"], q.device, max_ctx_len, block_n)
+    splits = num_splits or drafter_num_splits(launch, B * Hkv * launch["row_tiles"], q.device, max_ctx_len, block_n)
     if splits == 1:
         target, lse = out, out  # lse unused
         so = (*out.stride()[:3], 0, 0, 0, 0)
@@ -366,5 +395,5 @@ def drafter_attention_ref(
     return torch.einsum("bhij,bjhd->bihd", p, values).to(q.dtype)
 
 
-__all__ = ["drafter_attention", "drafter_attention_naive", "drafter_attention_ref", "drafter_launch",
+__all__ = ["drafter_attention", "drafter_attention_naive", "drafter_attention_ref", "drafter_launch", "drafter_num_splits",
            "DRAFTER_TUNING", "DRAFTER_ROW_TILE", "DRAFTER_KEY_TILE"]

@@ -17,6 +17,7 @@ from dspark.kernels.drafter_attention import (  # noqa: E402
     drafter_attention_naive,
     drafter_attention_ref,
     drafter_launch,
+    drafter_num_splits,
 )
 from dspark.layers.attention import context_slots  # noqa: E402
 
@@ -87,12 +88,42 @@ def test_head_dim_512_matches_reference(num_splits):
 def test_default_launch():
     """SmolLM2's drafter (γ 7, 9 query / 3 KV heads, head_dim 64) keeps one 32-row tile and DRAFTER_TUNING's
     launch, the one its timings were measured with; V4's (γ 5, 32 or 64 heads on one 512-wide KV head) gets
-    16-row tiles, 32-key tiles and 8 warps."""
-    assert drafter_launch(7, 3, 64) == {"block_m": 32, "row_tiles": 1, **DRAFTER_TUNING}
-    assert drafter_launch(5, 3, 64) == {"block_m": 16, "row_tiles": 1, **DRAFTER_TUNING}
+    WIDE_TILES: 16-row tiles of 32 keys at 4 warps below WIDE_LARGE_MIN_BATCH requests, 32 x 64 at 8 warps from
+    there, aiming at one program per SM."""
+    assert drafter_launch(7, 3, 64) == {"block_m": 32, "row_tiles": 1, **DRAFTER_TUNING, "programs_per_sm": 4}
+    assert drafter_launch(5, 3, 64, batch=12) == {"block_m": 16, "row_tiles": 1, **DRAFTER_TUNING,
+                                                  "programs_per_sm": 4}
     for G, tiles in ((32, 10), (64, 20)):
-        assert drafter_launch(5, G, 512) == {"block_m": 16, "row_tiles": tiles, "block_n": 32, "num_warps": 8,
-                                             "num_stages": DRAFTER_TUNING["num_stages"]}
+        for B in (1, 2, 3):
+            assert drafter_launch(5, G, 512, batch=B) == {"block_m": 16, "row_tiles": tiles, "block_n": 32,
+                                                          "num_warps": 4, "num_stages": DRAFTER_TUNING["num_stages"],
+                                                          "programs_per_sm": 1}
+        for B in (4, 12, 32):
+            assert drafter_launch(5, G, 512, batch=B) == {"block_m": 32, "row_tiles": tiles // 2, "block_n": 64,
+                                                          "num_warps": 8, "num_stages": DRAFTER_TUNING["num_stages"],
+                                                          "programs_per_sm": 1}
+    # a given row tile keeps the register-based rule (what the benchmark sweeps use)
+    assert drafter_launch(5, 32, 512, block_m=16) == {"block_m": 16, "row_tiles": 10, "block_n": 32, "num_warps": 8,
+                                                      "num_stages": DRAFTER_TUNING["num_stages"], "programs_per_sm": 4}
+
+
+def test_wide_head_split_counts():
+    """The split counts session 44's grid (H100, 132 SMs) found fastest or near it at seed 001's shape: programs
+    up to one per SM, each split at least one key tile of the context bucket; 4 per SM for SmolLM2's shape."""
+    from dspark.kernels.paged_attention import split_count
+
+    def splits(G, B, ctx, head_dim=512):
+        lm = drafter_launch(5 if head_dim == 512 else 7, G, head_dim, batch=B)
+        return split_count(B * lm["row_tiles"], 132, ctx, lm["block_n"], lm["programs_per_sm"])
+
+    expected = {(32, 1, 128): 4, (32, 1, 512): 8, (32, 4, 128): 2, (32, 4, 512): 4, (32, 12, 128): 2,
+                (32, 12, 512): 2, (64, 1, 128): 4, (64, 1, 512): 4, (64, 4, 128): 2, (64, 4, 512): 2,
+                (64, 12, 128): 1, (64, 12, 512): 1}
+    assert {k: splits(*k) for k in expected} == expected
+    assert splits(3, 12, 1000, head_dim=64) == 8 and splits(3, 1, 128, head_dim=64) == 2  # capped: 64-key splits
+    assert drafter_num_splits(drafter_launch(5, 32, 512), 10, torch.device("cpu"), 512, 32) == 1
+
+
     assert drafter_launch(5, 64, 512, block_m=64)["row_tiles"] == 5
     with pytest.raises(ValueError):
         drafter_launch(5, 3, 64, block_m=24)
