@@ -187,11 +187,15 @@ def _length_steps(system) -> dict[int, int]:
     return dict(llm.engine.spec_stats.length_steps) if llm is not None else {}
 
 
-def _sched_stats(system) -> dict[str, int] | None:
-    """A dspark system's confidence-scheduling counts so far (ConfidenceScheduler.stats); None without it."""
+def _sched_stats(system) -> dict | None:
+    """A dspark system's confidence-scheduling counts so far (ConfidenceScheduler.stats) and its measured target
+    step times (``row_ms``: rows -> ms, RowTimeTable); None without it."""
     llm = getattr(system, "llm", None)
     cs = llm.engine.runner.conf_sched if llm is not None else None
-    return dict(cs.stats) if cs is not None else None
+    if cs is None:
+        return None
+    points = getattr(cs.row_time, "points", {})  # the measured t(R) that steered it (RowTimeTable)
+    return {**cs.stats, "row_ms": {str(r): round(1e3 * t, 3) for r, t in sorted(points.items())}}
 
 
 def _length_changes(system) -> int | None:
@@ -651,7 +655,8 @@ def _run_bench_matrix(a: argparse.Namespace) -> int:
                 for c, (name, s) in zip(new, systems.items()):  # confidence scheduling (eager steps): its counts
                     cs = _sched_stats(s)
                     if cs is not None:
-                        c["confidence_scheduling"] = {k: v - before[name][2][k] for k, v in cs.items()}
+                        c["confidence_scheduling"] = {k: v - before[name][2][k] if isinstance(v, int) else v
+                                                      for k, v in cs.items()}  # (counts; row_ms as measured)
                         log(f"{ps} T={t:g} B={b}: {c['label']} confidence scheduling {c['confidence_scheduling']}")
                 cells.extend(new)
                 tokens = (lambda c: f" ({c['new_tokens']:g} tokens)") if a.stop_at_eos else (lambda c: "")

@@ -189,6 +189,7 @@ class ModelRunner:
         self.graph_sets: dict[int, object] = {}  # drafts verified -> its StepGraphs (adaptive verification)
         self.step_times: dict[int, dict[tuple[int, bool], float]] | None = None  # StepGraphs.profile per length
         self.conf_sched: ConfidenceScheduler | None = None  # per-request verify lengths of eager steps
+        self._profiled_rows: set[int] = set()  # row counts _profile_rows has run (and so warmed) once
         if self.device.type == "cuda" and config.resolved_attention_backend == "triton" and not config.enforce_eager:
             self.enable_graphs(capture=True)
         if self._split_k_modules and not config.batch_invariant:  # (batch-invariant mode: its own matmul)
@@ -213,7 +214,7 @@ class ModelRunner:
                 for limit in best:
                     for m in self._split_k_modules:
                         use_cpu_split_k(m, max_rows=limit)
-                    best[limit] = min(best[limit], self._profile_rows(2, reps=1))
+                    best[limit] = min(best[limit], self._profile_rows(2, warm=True))
             rows = 2 if best[2] < best[1] * (1 - margin) else 1
             why = f"2-row step {1e3 * best[2]:.1f} ms split-K, {1e3 * best[1]:.1f} ms oneDNN"
         for m in self._split_k_modules:
@@ -246,11 +247,15 @@ class ModelRunner:
         self.conf_sched = ConfidenceScheduler(table)
 
     @torch.inference_mode()
-    def _profile_rows(self, rows: int, reps: int = 2) -> float:
+    def _profile_rows(self, rows: int, reps: int = 1, warm: bool | None = None) -> float:
         """Seconds of a target step of ``rows`` query rows (ConfidenceScheduler's t(R)): requests of up to
         1 + num_spec_tokens rows each on the dummy KV block (positions from 0: short contexts, so attention's
         share of a long-context row is left out), logits of every row as verification computes them; the
-        minimum of ``reps`` timed runs after a warm-up run."""
+        minimum of ``reps`` timed runs, after a warm-up run when ``warm`` (default: the first time for this
+        row count; RowTimeTable.warm calls again in later rounds and keeps the minimum)."""
+        if warm is None:
+            warm = rows not in self._profiled_rows
+        self._profiled_rows.add(rows)
         per = min(1 + self.num_spec_tokens, self.block_size)
         lens = [per] * (rows // per) + ([rows % per] if rows % per else [])
         positions = torch.cat([torch.arange(n) for n in lens])
@@ -262,12 +267,12 @@ class ModelRunner:
         meta = self.backend.prepare(layout)
         ids = torch.zeros(rows, dtype=torch.int64, device=dev)
         best = float("inf")
-        for i in range(reps + 1):
+        for i in range(reps + int(warm)):
             t0 = time.perf_counter()
             hidden, _ = self.model(ids, layout.positions, self.backend, meta, self.kv_caches)
             self.model.compute_logits(hidden)
             self._sync()
-            if i:
+            if i or not warm:
                 best = min(best, time.perf_counter() - t0)
         logger.debug("confidence scheduling: a target step of %d rows takes %.2f ms", rows, 1e3 * best)
         return best

@@ -129,7 +129,10 @@ def shift_rows_reference(positions: Tensor, slot_mapping: Tensor, input_ids: Ten
 
 
 # ------------------------------------------------------------------------------ the drafter's inputs
-@triton.jit
+# B (the step's real rows) is not specialised on: Triton would compile one variant for B == 1, one for B a
+# multiple of 16 and one for the rest, and warm-up (a few requests) met only the first and the last, so a batch
+# of 32 compiled its own inside a served step (H100, session 44: 121 ms in a timed batch-32 bench cell).
+@triton.jit(do_not_specialize=["B"])
 def _drafter_inputs_kernel(out_ptr, s_out, nout_ptr, commit_ptr, ntok_ptr, valid_ptr, anc_ptr, apos_ptr, B, q,
                            HAS_COMMIT: tl.constexpr, BLOCK: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)

@@ -369,9 +369,34 @@ def test_row_time_table_warms_the_rows_of_one_block_up_front():
 
     calls = []
     t = RowTimeTable(lambda r: calls.append(r) or float(r), cap=16)
-    assert t.warm(8) == {1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0} and calls == [1, 2, 4, 8]
-    assert t.warm(6) and calls == [1, 2, 4, 8]  # (8 covers 6; nothing profiled twice)
+    assert t.warm(8) == {1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0} and calls == [1, 2, 4, 8] * 3  # three interleaved rounds
+    assert t.warm(6) and calls == [1, 2, 4, 8] * 3  # (8 covers 6; nothing profiled again)
     assert list(RowTimeTable(float, cap=4).warm(100)) == [1, 2, 4]
+
+
+def test_row_time_table_keeps_each_row_counts_fastest_round():
+    """A slow stretch during one row count's measurement (here: the first measurement of 4 rows, 3x slow) does not
+    stay in the table: each row count keeps its fastest of the interleaved rounds. With one pass it did, t(3) looked
+    dearer than t(2), and the scheduler then verified one draft per step for the whole process."""
+    from dspark.spec.adaptive import ConfidenceScheduler, RowTimeTable
+
+    seen = set()
+
+    def profile(r):  # a launch-bound step: the same time at 2-8 rows; 4 rows' first run hit a slow stretch
+        slow = r == 4 and r not in seen
+        seen.add(r)
+        return (10.0 if r == 1 else 12.0) * (3 if slow else 1)
+
+    table = RowTimeTable(profile, cap=16)
+    assert table.warm(8) == {1: 10.0, 2: 12.0, 4: 12.0, 8: 12.0}
+    s = ConfidenceScheduler(table)
+    s.draft_time = lambda batch: 2.0
+    assert s.schedule([[0.8, 0.6, 0.4, 0.3]], [False]) == [4]  # flat rows: every draft with a > 0 pays
+    one_pass = RowTimeTable(lambda r: {1: 10.0, 2: 12.0, 4: 36.0, 8: 12.0}[r], cap=16, rounds=1)
+    one_pass.warm(8)
+    s1 = ConfidenceScheduler(one_pass)
+    s1.draft_time = lambda batch: 2.0
+    assert s1.schedule([[0.8, 0.6, 0.4, 0.3]], [False]) == [1]  # (the control: the symptom it prevents)
 
 
 def test_confidence_scheduler_draft_time_is_a_median_per_batch_bucket():
