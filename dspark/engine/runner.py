@@ -224,7 +224,8 @@ class ModelRunner:
 
     def _enable_confidence_scheduling(self) -> None:
         """Confidence-scheduled verification (spec/adaptive.py ConfidenceScheduler) where steps run eagerly and
-        the drafter has a confidence head, unless the config turns it off ("confidence_scheduling": false).
+        the drafter has a confidence head, unless the config turns it off ("confidence_scheduling": false); on a
+        GPU only when asked for (true).
         Graph steps verify the graph's q rows per request whatever the lengths, so with CUDA graphs it is off."""
         want = None if self.spec is None else self.spec.confidence_scheduling
         head = getattr(getattr(self.proposer, "drafter", None), "confidence", None) is not None
@@ -232,6 +233,11 @@ class ModelRunner:
             if want and self.proposer is not None:
                 logger.warning("confidence_scheduling: the drafter has no confidence head; every step verifies "
                                "%d drafts", self.num_spec_tokens)
+            return
+        if want is None and self.device.type == "cuda":
+            # Eager GPU steps are launch-bound (17-28 ms at batch 1 and 32 alike on an H100): fewer rows save
+            # nothing, and scheduled was slower than every draft in 7 of 8 cells over two sessions (by 1-32 %, compile
+            # stalls left out; +8 % once; docs/benchmarks.md, sessions 43-44). "confidence_scheduling": true still turns it on.
             return
         if self.graphs is not None:
             if want:

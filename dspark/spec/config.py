@@ -38,8 +38,10 @@ class SpeculativeConfig:
     # Confidence-scheduled verification (dspark's key; spec/adaptive.py ConfidenceScheduler, dspark.md §4):
     # on eagerly run steps (the CPU, --enforce-eager), each request verifies the drafts whose confidence-head
     # survival is worth their target rows at the measured cost per row, and drafting pauses for a few steps
-    # when plain decoding is faster. None (default): on where it applies (eager steps, a drafter with a
-    # confidence head); False: off; True: on, with a warning where it cannot apply.
+    # when plain decoding is faster. None (default): on where it applies and was measured to pay (eager steps
+    # on the CPU, a drafter with a confidence head; off on eager GPU steps, which are launch-bound: docs/
+    # benchmarks.md, sessions 43-44); False: off; True: on (GPU eager steps too), with a warning where it cannot
+    # apply.
     confidence_scheduling: bool | None = None
 
     def __post_init__(self) -> None:

@@ -11,6 +11,7 @@ import json
 import os
 
 import pytest
+import torch
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # (one test builds the graph path, with the triton backend)
 
@@ -108,6 +109,12 @@ def test_where_confidence_scheduling_is_off(target, drafter, tmp_path, caplog):
     graphs = spec_llm(target, drafter, attention_backend="triton")
     graphs.engine.runner.enable_graphs(capture=False)  # graph steps verify q rows per request: off
     assert graphs.engine.runner.conf_sched is None
+    # eager GPU steps (launch-bound; sessions 43-44): off unless asked for. The device is only relabelled here
+    # (no GPU in CI): the rule reads the runner's device before anything runs on it.
+    runner = spec_llm(target, drafter).engine.runner
+    runner.conf_sched, runner.device = None, torch.device("cuda")
+    runner._enable_confidence_scheduling()
+    assert runner.conf_sched is None
     # a drafter without a confidence head: off, and said so when asked for
     cfg = json.loads((drafter / "config.json").read_text())
     nohead = tmp_path / "nohead"
