@@ -235,9 +235,10 @@ class ModelRunner:
                                "%d drafts", self.num_spec_tokens)
             return
         if want is None and self.device.type == "cuda":
-            # Eager GPU steps are launch-bound (17-28 ms at batch 1 and 32 alike on an H100): fewer rows save
-            # nothing, and scheduled was slower than every draft in 7 of 8 cells over two sessions (by 1-32 %, compile
-            # stalls left out; +8 % once; docs/benchmarks.md, sessions 43-44). "confidence_scheduling": true still turns it on.
+            # Eager GPU steps are launch-bound (16-28 ms at batch 1 and 32 alike on an H100): fewer rows save
+            # nothing, and scheduled was slower than every draft in 7 of 8 cells over two sessions (by 1-32 %,
+            # compile stalls left out; +8 % once; docs/benchmarks.md, sessions 43-44). "confidence_scheduling":
+            # true still turns it on.
             return
         if self.graphs is not None:
             if want:

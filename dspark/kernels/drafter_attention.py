@@ -232,7 +232,8 @@ DRAFTER_TUNING = {"block_n": 64, "num_warps": 2, "num_stages": 2}
 # (WIDE_PROGRAMS_PER_SM, where the general rule asks 4 per SM: at batch 12, 4 splits cost 1.5-3x one or two).
 # Predicted from the grid (H100, 132 SMs, the H200's count): within 20 % of the best of the 9 launches timed in
 # each of the 12 cells (the best in 7); against the old default 2-3 % slower at batch 1 at context 128, 1.3-1.4x
-# faster at 512, 1.1-1.6x at batch 4 and 1.9-2.4x at batch 12. Checked with --seed-shape (docs/benchmarks.md).
+# faster at 512, 1.1-1.6x at batch 4 and 1.9-2.4x at batch 12 (docs/benchmarks.md, session 44; not re-timed as the
+# default yet: the calls for it found no machine).
 # Head dims between 128 and 512 keep the register-based rule below (not timed).
 WIDE_HEAD_DIM = 512
 WIDE_TILES = {"small": {"block_m": 16, "block_n": 32, "num_warps": 4},
@@ -395,5 +396,5 @@ def drafter_attention_ref(
     return torch.einsum("bhij,bjhd->bihd", p, values).to(q.dtype)
 
 
-__all__ = ["drafter_attention", "drafter_attention_naive", "drafter_attention_ref", "drafter_launch", "drafter_num_splits",
-           "DRAFTER_TUNING", "DRAFTER_ROW_TILE", "DRAFTER_KEY_TILE"]
+__all__ = ["drafter_attention", "drafter_attention_naive", "drafter_attention_ref", "drafter_launch",
+           "drafter_num_splits", "DRAFTER_TUNING", "DRAFTER_ROW_TILE", "DRAFTER_KEY_TILE"]
