@@ -262,8 +262,8 @@ def seed_shape(dtype, checks, rows, skipped) -> None:
         drafter_attention_naive,
         drafter_attention_ref,
         drafter_launch,
-        drafter_num_splits,
     )
+    from dspark.kernels.paged_attention import default_num_splits
 
     print(f"seed 001 ({SEED_001['device']}): shared {SEED_001['shared_B1']} us at B1, {SEED_001['shared_B12']} at "
           f"B12 ({SEED_001['shared_B12'] / SEED_001['shared_B1']:.2f}x); naive {SEED_001['naive_B1']} / "
@@ -287,7 +287,8 @@ def seed_shape(dtype, checks, rows, skipped) -> None:
                 """drafter_attention's launch arguments kw, the wrapper's defaults filled in."""
                 lm = drafter_launch(gamma, hq, D, kw.get("block_m"), batch=B)
                 n = kw.get("block_n") or lm["block_n"]
-                splits = kw.get("num_splits") or drafter_num_splits(lm, B * lm["row_tiles"], torch.device("cuda"), ctx, n)
+                splits = kw.get("num_splits") or default_num_splits(B * lm["row_tiles"], torch.device("cuda"), ctx, n,
+                                                                    lm["programs_per_sm"])
                 return {"block_m": lm["block_m"], "row_tiles": lm["row_tiles"], "block_n": n,
                         "num_warps": kw.get("num_warps") or lm["num_warps"], "num_splits": splits}
 

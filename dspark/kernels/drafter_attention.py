@@ -48,10 +48,9 @@ from dspark.kernels.paged_attention import (
     _store_rows,
     check_device,
     combine_splits,
+    default_num_splits,
     dot_precision,
     next_pow2,
-    sm_count,
-    split_count,
 )
 from dspark.layers.attention import context_slots
 
@@ -203,7 +202,7 @@ def _kv_args(k_block, v_block, k_cache, v_cache, block_tables) -> tuple[int, ...
             block_tables.stride(0))
 
 
-# The shared-tile kernel's key tile, warps and pipeline stages (the split count: drafter_num_splits). Swept
+# The shared-tile kernel's key tile, warps and pipeline stages (the split count: default_num_splits). Swept
 # on the H200 in session 29 (benchmarks/kernel_attention_bench.py --drafter-sweep; docs/benchmarks.md): 64
 # keys x 4 warps with the default splits was within 0.2 µs of the best of 18 settings at batch 12 (γ 5 and
 # 7); 8 warps lost nearly everywhere. Session 37 (--drafter-floor: splits x key tile x warps x stages, 48
@@ -240,7 +239,7 @@ WIDE_TILES = {"small": {"block_m": 16, "block_n": 32, "num_warps": 4},
               "large": {"block_m": 32, "block_n": 64, "num_warps": 8}}
 WIDE_LARGE_MIN_BATCH = 4
 WIDE_PROGRAMS_PER_SM = 1
-DRAFTER_PROGRAMS_PER_SM = 4  # default_num_splits's, everywhere else
+DRAFTER_PROGRAMS_PER_SM = 4  # default_num_splits's default, everywhere else
 DRAFTER_ROW_TILE = 8192
 DRAFTER_KEY_TILE = 16384
 ACC_PER_WARP = 32 * 32
@@ -251,7 +250,7 @@ def drafter_launch(gamma: int, G: int, head_dim: int, block_m: int | None = None
     head: ``block_m`` (rows per tile: the whole γ × G stack in one tile of at least 16 rows for ``tl.dot``, cut
     into tiles of DRAFTER_ROW_TILE / BLOCK_D rows when larger; at head_dim >= WIDE_HEAD_DIM, WIDE_TILES by
     batch), ``row_tiles``, ``block_n``, ``num_warps``, ``num_stages`` and ``programs_per_sm`` (what the split
-    count aims at: ``drafter_num_splits``). A given ``block_m`` (a power of two >= 16) replaces the rule's, with
+    count aims at: ``default_num_splits``). A given ``block_m`` (a power of two >= 16) replaces the rule's, with
     the register-based key tile and warps."""
     block_d = next_pow2(head_dim)
     if block_m is not None and (block_m < 16 or block_m & (block_m - 1)):
@@ -266,16 +265,6 @@ def drafter_launch(gamma: int, G: int, head_dim: int, block_m: int | None = None
             "block_n": min(DRAFTER_TUNING["block_n"], max(16, DRAFTER_KEY_TILE // block_d)),
             "num_warps": max(DRAFTER_TUNING["num_warps"], block_m * block_d // ACC_PER_WARP),
             "num_stages": DRAFTER_TUNING["num_stages"], "programs_per_sm": DRAFTER_PROGRAMS_PER_SM}
-
-
-def drafter_num_splits(launch: dict, programs: int, device: torch.device, max_ctx_len: int | None,
-                       block_n: int) -> int:
-    """The key-split count for ``programs`` (request, KV head × row tile) programs at ``launch``'s
-    ``programs_per_sm`` (the largest power of two that keeps them within it, each split at least one key
-    tile of ``max_ctx_len``; ``split_count``). 1 off the GPU."""
-    if device.type != "cuda":
-        return 1
-    return split_count(programs, sm_count(device), max_ctx_len, block_n, launch["programs_per_sm"])
 
 
 def drafter_attention(
@@ -310,7 +299,8 @@ def drafter_attention(
         return out
     launch = drafter_launch(gamma, G, D, block_m, batch=B)
     block_n = block_n or launch["block_n"]
-    splits = num_splits or drafter_num_splits(launch, B * Hkv * launch["row_tiles"], q.device, max_ctx_len, block_n)
+    splits = num_splits or default_num_splits(B * Hkv * launch["row_tiles"], q.device, max_ctx_len, block_n,
+                                              launch["programs_per_sm"])
     if splits == 1:
         target, lse = out, out  # lse unused
         so = (*out.stride()[:3], 0, 0, 0, 0)
@@ -397,4 +387,4 @@ def drafter_attention_ref(
 
 
 __all__ = ["drafter_attention", "drafter_attention_naive", "drafter_attention_ref", "drafter_launch",
-           "drafter_num_splits", "DRAFTER_TUNING", "DRAFTER_ROW_TILE", "DRAFTER_KEY_TILE"]
+           "DRAFTER_TUNING", "DRAFTER_ROW_TILE", "DRAFTER_KEY_TILE"]

@@ -73,18 +73,20 @@ def split_count(num_programs: int, sms: int, max_seq_len: int | None, block_n: i
     return splits
 
 
-def default_num_splits(num_programs: int, device: torch.device, max_seq_len: int | None, block_n: int) -> int:
-    """How many slices of the key range each (request, KV head) program gets: up to about 4 programs
-    per SM, each slice at least one key tile of the longest context the caller expects. A power of
+def default_num_splits(num_programs: int, device: torch.device, max_seq_len: int | None, block_n: int,
+                       programs_per_sm: float = 4) -> int:
+    """How many slices of the key range each (request, KV head) program gets: up to about ``programs_per_sm``
+    programs per SM, each slice at least one key tile of the longest context the caller expects. A power of
     two, at most 32 (each value is one more compiled kernel). 1 off the GPU. (Paged attention's tuned
-    launch, ``tuned_launch``, asks for fewer programs per SM; the drafter kernel keeps this count.)
+    launch, ``tuned_launch``, asks for fewer programs per SM; the drafter kernel keeps the default 4, except
+    at head_dim 512, where its launch asks 1: drafter_attention.drafter_launch.)
 
     Measured on an H200 (SmolLM2 shapes, bf16, context 4k): decode at batch 8 took 67.6 µs unsplit,
     23.4 µs with 4 slices, 12.5 µs with 16; at batch 32, 93.4 µs unsplit and 39.9 µs with 4 slices,
     about the same with 8 or 16."""
     if device.type != "cuda":
         return 1
-    return split_count(num_programs, sm_count(device), max_seq_len, block_n, 4)
+    return split_count(num_programs, sm_count(device), max_seq_len, block_n, programs_per_sm)
 
 
 # ---------------------------------------------------------------------------------------- kernels
