@@ -25,8 +25,12 @@
 # Triton keys its cache on the kernel source, its version and the GPU, so entries of kernels changed
 # since are simply not hit.
 set -euo pipefail
-if [ -f .model/triton-cache.tar.gz ] && [ ! -d ~/.triton/cache ]; then
-  mkdir -p ~/.triton && tar -C ~/.triton -xzf .model/triton-cache.tar.gz && echo "triton cache: $(ls ~/.triton/cache | wc -l) entries"
+# Once per machine (a marker in /tmp), merged into whatever an earlier call, e.g. a kernel benchmark run first,
+# already compiled there (session 44: the first call ran --seed-grid, so a check on ~/.triton/cache alone would
+# have skipped the unpack).
+if [ -f .model/triton-cache.tar.gz ] && [ ! -f /tmp/.dspark_triton_cache_unpacked ]; then
+  mkdir -p ~/.triton && tar -C ~/.triton -xzf .model/triton-cache.tar.gz && touch /tmp/.dspark_triton_cache_unpacked \
+    && echo "triton cache: $(ls ~/.triton/cache | wc -l) entries"
 fi
 # Token files from earlier sessions (.model/data/train-*.safetensors.gz, heldout-*.safetensors), carried by any
 # call, e.g. one of their own when they do not fit beside a piece: into /tmp/dspark_data, where every training

@@ -40,7 +40,8 @@ for step in $STEPS; do
   graphs)
     timeout ${GRAPHS_S:-240} python3 benchmarks/gpu_graphs_check.py "$OUT/graphs" ${GRAPHS_PARTS:-correct,steps} \
       > "$OUT/graphs.log" 2>&1; echo "graphs rc=$?"; grep -v "^ " "$OUT/graphs.log" | tail -n 30 ;;
-  correctness)  # HF's pass (one prompt per generate, the exact default) alone outlasted 200 and 240 s in session 43
+  correctness)  # HF's pass (one prompt per generate, the exact default) alone outlasted 200 and 240 s in session 43;
+    # CORRECT_ARGS="--hf-batch-size 16" (left padding) took 37.5 s in session 44, the whole step 86 s
     timeout ${CORRECT_S:-420} python3 -m dspark.cli bench correctness --device $DEV --attention-backend ${BACKEND:-triton} \
       --prompt-source /tmp/sharegpt_prompts.json.gz --out "$OUT/correctness.json" ${CORRECT_ARGS:-} > "$OUT/correctness.log" 2>&1
     echo "correctness rc=$?"; tail -n 25 "$OUT/correctness.log" ;;
