@@ -254,12 +254,12 @@ class ModelRunner:
         self.conf_sched = ConfidenceScheduler(table)
 
     @torch.inference_mode()
-    def _profile_rows(self, rows: int, reps: int = 1, warm: bool | None = None) -> float:
+    def _profile_rows(self, rows: int, warm: bool | None = None) -> float:
         """Seconds of a target step of ``rows`` query rows (ConfidenceScheduler's t(R)): requests of up to
         1 + num_spec_tokens rows each on the dummy KV block (positions from 0: short contexts, so attention's
-        share of a long-context row is left out), logits of every row as verification computes them; the
-        minimum of ``reps`` timed runs, after a warm-up run when ``warm`` (default: the first time for this
-        row count; RowTimeTable.warm calls again in later rounds and keeps the minimum)."""
+        share of a long-context row is left out), logits of every row as verification computes them; one
+        timed run, after a warm-up run when ``warm`` (default: the first time for this row count; RowTimeTable.warm
+        calls again in later rounds and keeps the minimum)."""
         if warm is None:
             warm = rows not in self._profiled_rows
         self._profiled_rows.add(rows)
@@ -273,16 +273,14 @@ class ModelRunner:
                              block_size=self.block_size)
         meta = self.backend.prepare(layout)
         ids = torch.zeros(rows, dtype=torch.int64, device=dev)
-        best = float("inf")
-        for i in range(reps + int(warm)):
+        for _ in range(1 + int(warm)):  # the last run is the one timed
             t0 = time.perf_counter()
             hidden, _ = self.model(ids, layout.positions, self.backend, meta, self.kv_caches)
             self.model.compute_logits(hidden)
             self._sync()
-            if i or not warm:
-                best = min(best, time.perf_counter() - t0)
-        logger.debug("confidence scheduling: a target step of %d rows takes %.2f ms", rows, 1e3 * best)
-        return best
+        seconds = time.perf_counter() - t0
+        logger.debug("confidence scheduling: a target step of %d rows takes %.2f ms", rows, 1e3 * seconds)
+        return seconds
 
     def enable_graphs(self, capture: bool = True, **kw) -> None:
         """Run decode/verify steps (and DSpark drafter steps) through dspark/engine/cuda_graphs.py:

@@ -98,6 +98,7 @@ import triton.language as tl
 
 from dspark.kernels import check_device, next_pow2
 from dspark.kernels.markov_sampler import _gumbel_from_words, _hi32, _lo32, _log, _philox, _precise
+from dspark.kernels.paged_attention import sm_count
 from dspark.sample.rng import STREAM_ACCEPT, STREAM_RECOVER
 
 __all__ = ["verify_standard_triton", "verify_block_triton", "precompile"]
@@ -403,16 +404,6 @@ def _verify_reduce_kernel(
     _emit_rows(out_ptr, nout_ptr, dt_ptr, sdt_b, rows, rm, a, final, N, OUT_PAD)
 
 
-_SM_COUNT: dict[int, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
-
-
 def _launch(batch: int, n: int, vocab: int, cuda: bool, sms: int, block_v: int | None, block_b: int | None,
             splits: int | None, max_drafts: int | None) -> dict:
     """The launch of one verification: tile sizes, grid, split count and the constexprs, from the shapes, the
@@ -481,7 +472,7 @@ def _verify_triton(
     positions = positions.to(device=dev, dtype=torch.int64).contiguous()
 
     cuda = dev.type == "cuda"
-    L = _launch(batch, n, vocab, cuda, _sm_count(dev) if cuda else 1, block_v, block_b, splits, max_drafts)
+    L = _launch(batch, n, vocab, cuda, sm_count(dev) if cuda else 1, block_v, block_b, splits, max_drafts)
     block_v, block_b, nt, n_prog, tps, n_split, final = (L[k] for k in ("block_v", "block_b", "nt", "n_prog", "tps",
                                                                          "n_split", "final"))
     n_pad, out_pad = L["n_pad"], L["out_pad"]

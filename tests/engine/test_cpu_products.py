@@ -30,7 +30,7 @@ def test_the_faster_path_wins_by_its_margin(llm, monkeypatch):
     seen = []
 
     def profile(ms):
-        def run(rows, reps=1, warm=None):
+        def run(rows, warm=None):
             assert rows == 2 and warm  # each path's kernels warmed before its timing
             limit = _limits(runner)
             assert len(limit) == 1  # every layer (target and drafter) switched together
