@@ -14,6 +14,8 @@ at SmolLM2-135M's attention shapes (9 query heads, 3 KV heads, head_dim 64), bf1
   ("v1") at 24.7 µs at batch 1 and 201.8 µs at batch 12, its shared tile ("v2") at 14.8 and 15.2 µs (13.3x).
 - ``--seed-grid``: at the same shape, the wrapper's launch against the tile shapes fastest at batch 12 at split
   counts 1-8, batch 1 / 4 / 12 (``seed_grid``): the data for a launch rule at head_dim 512.
+- ``--kv-shared`` (with either): the values are the keys, one tensor, as in DeepSeek-V4 (one KV vector per token,
+  the seed's "shared KV"); both kernels then gather each context tile once. Without it K and V are separate tensors.
 
 Every path is first checked against the PyTorch reference on the GPU (bf16 inputs, plus one fp32
 case each), and each kernel is captured once in a CUDA graph and replayed after its lengths changed
@@ -22,7 +24,7 @@ do_bench_cudagraph: GPU time without launch overhead, as the engine's captured s
 median in microseconds. Prints a table; ``--out`` writes the results as JSON.
 
 Usage: python benchmarks/kernel_attention_bench.py --out out/kernel_attention.json [--quick] [--drafter-sweep] [--paged-sweep]
-       [--drafter-scaling | --drafter-floor | --seed-shape | --seed-grid]
+       [--drafter-scaling | --drafter-floor | --seed-shape | --seed-grid [--kv-shared]]
 """
 
 from __future__ import annotations
@@ -64,8 +66,9 @@ def paged_inputs(B: int, ctx: int, q_len: int, dtype: torch.dtype, device: str, 
 
 
 def drafter_inputs(B: int, gamma: int, ctx: int, dtype: torch.dtype, device: str, seed: int = 0, *, hq: int = HQ,
-                   hkv: int = HKV, head_dim: int = HEAD_DIM) -> dict:
-    """B requests with ``ctx`` context entries each on shuffled blocks, γ block rows; SmolLM2's heads unless given."""
+                   hkv: int = HKV, head_dim: int = HEAD_DIM, kv_shared: bool = False) -> dict:
+    """B requests with ``ctx`` context entries each on shuffled blocks, γ block rows; SmolLM2's heads unless given.
+    ``kv_shared``: the values are the keys (the same tensors, as DeepSeek-V4 keeps one vector per token)."""
     g = torch.Generator(device=device).manual_seed(seed)
     per = -(-ctx // PAGE)
     num_blocks = 1 + B * per
@@ -74,10 +77,13 @@ def drafter_inputs(B: int, gamma: int, ctx: int, dtype: torch.dtype, device: str
     def rnd(*shape):
         return torch.randn(*shape, generator=g, device=device).to(dtype)
 
-    return dict(q=rnd(B, gamma, hq, head_dim), k_block=rnd(B, gamma, hkv, head_dim), v_block=rnd(B, gamma, hkv, head_dim),
-                k_cache=rnd(num_blocks, PAGE, hkv, head_dim), v_cache=rnd(num_blocks, PAGE, hkv, head_dim),
-                block_tables=ids[: B * per].view(B, per).long(), ctx_lens=torch.full((B,), ctx, device=device),
-                scale=head_dim**-0.5)
+    x = dict(q=rnd(B, gamma, hq, head_dim), k_block=rnd(B, gamma, hkv, head_dim), v_block=rnd(B, gamma, hkv, head_dim),
+             k_cache=rnd(num_blocks, PAGE, hkv, head_dim), v_cache=rnd(num_blocks, PAGE, hkv, head_dim),
+             block_tables=ids[: B * per].view(B, per).long(), ctx_lens=torch.full((B,), ctx, device=device),
+             scale=head_dim**-0.5)
+    if kv_shared:
+        x.update(v_block=x["k_block"], v_cache=x["k_cache"])
+    return x
 
 
 def time_us(fn) -> tuple[float, str]:
@@ -247,7 +253,7 @@ SEED_001 = {"device": "RTX PRO 6000 Blackwell", "naive_B1": 24.7, "naive_B12": 2
             "shared_B12": 15.2}
 
 
-def seed_shape(dtype, checks, rows, skipped) -> None:
+def seed_shape(dtype, checks, rows, skipped, kv_shared: bool = False) -> None:
     """Seed 001's shape (SEED_*; Hkv 1, per-head sinks throughout) at Hq 32 and 64, context 128 and 512, batch 1-12:
     the shared-tile kernel at the wrapper's launch (row tiles: drafter_launch) and the naive kernel, each checked
     against the reference (and once more at ragged contexts, batch 4) and timed. At batch 12 the shared-tile launch is
@@ -271,8 +277,9 @@ def seed_shape(dtype, checks, rows, skipped) -> None:
     D, gamma = SEED_HEAD_DIM, SEED_GAMMA
     for hq in SEED_HQ:
         heads = dict(hq=hq, hkv=1, head_dim=D)
+        inputs = dict(heads, kv_shared=kv_shared)
         sinks = torch.randn(hq, device="cuda")
-        x = drafter_inputs(4, gamma, 128, dtype, "cuda", seed=1, **heads)
+        x = drafter_inputs(4, gamma, 128, dtype, "cuda", seed=1, **inputs)
         x["ctx_lens"].copy_(torch.tensor([0, 1, 77, 128]))
         ref = drafter_attention_ref(**x, sinks=sinks)
         label = f"seed hq={hq} B=4 ctx=0/1/77/128"
@@ -293,7 +300,7 @@ def seed_shape(dtype, checks, rows, skipped) -> None:
                         "num_warps": kw.get("num_warps") or lm["num_warps"], "num_splits": splits}
 
             for B in SEED_BATCHES:
-                x = drafter_inputs(B, gamma, ctx, dtype, "cuda", **heads)
+                x = drafter_inputs(B, gamma, ctx, dtype, "cuda", **inputs)
                 label = f"seed hq={hq} B={B} ctx={ctx}"
                 print(label, flush=True)
                 ref = drafter_attention_ref(**x, sinks=sinks)
@@ -305,7 +312,7 @@ def seed_shape(dtype, checks, rows, skipped) -> None:
                 us, how = time_us(lambda: drafter_attention_naive(**x, sinks=sinks))
                 rows.append({**case, "B": B, "path": "naive", "block_m": None, "us": us, "timed_as": how})
 
-            x = drafter_inputs(12, gamma, ctx, dtype, "cuda", **heads)
+            x = drafter_inputs(12, gamma, ctx, dtype, "cuda", **inputs)
             ref = drafter_attention_ref(**x, sinks=sinks)
             swept: dict[tuple, float] = {}  # (block_m, block_n, num_warps, num_splits) -> us
 
@@ -369,7 +376,7 @@ SEED_GRID_TILES = ((32, 64, 8), (16, 32, 4))  # (block_m, block_n, num_warps): t
 SEED_GRID_BATCHES = (1, 4, 12)
 
 
-def seed_grid(dtype, checks, rows, skipped) -> None:
+def seed_grid(dtype, checks, rows, skipped, kv_shared: bool = False) -> None:
     """Seed 001's shape again, for a launch rule at head_dim 512: the wrapper's launch and the two tile shapes
     --seed-shape found fastest at batch 12 (SEED_GRID_TILES; session 43 on an H100: 1.5-2.0x faster than the
     wrapper's 16-row, 8-warp tile at its split count) at split counts 1-8, at batch 1, 4 and 12, so that one rule
@@ -382,7 +389,7 @@ def seed_grid(dtype, checks, rows, skipped) -> None:
         sinks = torch.randn(hq, device="cuda")
         for ctx in SEED_CONTEXTS:
             for B in SEED_GRID_BATCHES:
-                x = drafter_inputs(B, gamma, ctx, dtype, "cuda", hq=hq, hkv=1, head_dim=D)
+                x = drafter_inputs(B, gamma, ctx, dtype, "cuda", hq=hq, hkv=1, head_dim=D, kv_shared=kv_shared)
                 ref = drafter_attention_ref(**x, sinks=sinks)
                 launches = [("default", {})] + [(f"m{m}_n{n}_w{w}_s{s}", dict(block_m=m, block_n=n, num_warps=w,
                                                                               num_splits=s))
@@ -486,7 +493,12 @@ def main() -> None:
     ap.add_argument("--seed-grid", action="store_true",
                     help="only the drafter kernel at seed 001's shape, batch 1 / 4 / 12: the default launch and the "
                          "tile shapes fastest at batch 12 at split counts 1-8 (a launch rule for head_dim 512)")
+    ap.add_argument("--kv-shared", action="store_true",
+                    help="with --seed-shape / --seed-grid: the values are the keys, one tensor, as in DeepSeek-V4 "
+                         "(the kernels then gather each context tile once)")
     args = ap.parse_args()
+    if args.kv_shared and not (args.seed_shape or args.seed_grid):
+        ap.error("--kv-shared goes with --seed-shape or --seed-grid")
     if not torch.cuda.is_available():
         sys.exit("kernel_attention_bench needs a CUDA GPU")
     import triton
@@ -503,9 +515,9 @@ def main() -> None:
     if args.drafter_floor:
         drafter_floor(dtype, checks, rows)
     elif args.seed_shape:
-        seed_shape(dtype, checks, rows, skipped)
+        seed_shape(dtype, checks, rows, skipped, args.kv_shared)
     elif args.seed_grid:
-        seed_grid(dtype, checks, rows, skipped)
+        seed_grid(dtype, checks, rows, skipped, args.kv_shared)
     elif args.drafter_scaling:
         scaling = [(B, 7, ctx) for ctx in (128, 512, 1000, 4000) for B in (1, 2, 4, 8, 12, 32)]
         run_drafter(scaling, dtype, checks, rows, only=("shared_tile", "shared_tile_w4_st3", "naive", "torch_sdpa"))
@@ -515,7 +527,8 @@ def main() -> None:
     print_table(rows)
     shapes = ({"q_heads": list(SEED_HQ), "kv_heads": 1, "head_dim": SEED_HEAD_DIM, "page": PAGE, "gamma": SEED_GAMMA,
                "contexts": list(SEED_CONTEXTS),
-               "batches": list(SEED_GRID_BATCHES if args.seed_grid else SEED_BATCHES), "sinks": "per head"}
+               "batches": list(SEED_GRID_BATCHES if args.seed_grid else SEED_BATCHES), "sinks": "per head",
+               "kv": "shared (K = V, one tensor)" if args.kv_shared else "separate K and V tensors"}
               if args.seed_shape or args.seed_grid
               else {"q_heads": HQ, "kv_heads": HKV, "head_dim": HEAD_DIM, "page": PAGE})
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,

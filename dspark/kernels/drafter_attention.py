@@ -44,6 +44,7 @@ import triton.language as tl
 from dspark.kernels.paged_attention import (
     LOG2E,
     _load_paged_kv,
+    _load_paged_rows,
     _online_softmax_step,
     _store_rows,
     check_device,
@@ -70,11 +71,11 @@ def _drafter_attention_kernel(
     stride_lb, stride_li, stride_lh,
     GAMMA: tl.constexpr, G: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, HAS_SINK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, HAS_SINK: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_SHARED: tl.constexpr,
 ):
     """Program (b, kv head × row tile, split): rows [t·BLOCK_M, (t + 1)·BLOCK_M) of the γ × G query rows
     of request b for that KV head (row tile t), against slice ``split`` of its context; split 0 also
-    takes the γ block rows."""
+    takes the γ block rows. KV_SHARED: the values are the keys (one gather per tile)."""
     b = tl.program_id(0).to(tl.int64)
     row_tiles = (GAMMA * G + BLOCK_M - 1) // BLOCK_M  # a constexpr: with one tile, kvh and r fold as before
     kvh = tl.program_id(1) // row_tiles
@@ -100,7 +101,11 @@ def _drafter_attention_kernel(
     j_ok = (j < GAMMA) & (split == 0)
     jd_mask = j_ok[:, None] & d_ok[None, :]
     kb = tl.load(kb_ptr + b * stride_kbb + j[:, None] * stride_kbi + kvh * stride_kbh + d[None, :], mask=jd_mask, other=0.0)
-    vb = tl.load(vb_ptr + b * stride_vbb + j[:, None] * stride_vbi + kvh * stride_vbh + d[None, :], mask=jd_mask, other=0.0)
+    if KV_SHARED:
+        vb = kb
+    else:
+        vb = tl.load(vb_ptr + b * stride_vbb + j[:, None] * stride_vbi + kvh * stride_vbh + d[None, :], mask=jd_mask,
+                     other=0.0)
     m_i, l_i, acc = _online_softmax_step(q, kb, vb, j_ok[None, :], m_i, l_i, acc, qk_scale, DOT_PRECISION)
 
     # The context, positions [0, ctx_len), paged; this program takes slice `split` of it.
@@ -111,8 +116,13 @@ def _drafter_attention_kernel(
     bt_row = block_tables_ptr + b * stride_bt
     for n0 in range(lo, hi, BLOCK_N):
         pos = n0 + n
-        k, v, kv_ok = _load_paged_kv(k_cache_ptr, v_cache_ptr, bt_row, pos, hi, kvh, d, d_ok, stride_kb,
-                                     stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, PAGE)
+        if KV_SHARED:
+            k, kv_ok = _load_paged_rows(k_cache_ptr, bt_row, pos, hi, kvh, d, d_ok, stride_kb, stride_kt, stride_kh,
+                                        PAGE)
+            v = k
+        else:
+            k, v, kv_ok = _load_paged_kv(k_cache_ptr, v_cache_ptr, bt_row, pos, hi, kvh, d, d_ok, stride_kb,
+                                         stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, PAGE)
         m_i, l_i, acc = _online_softmax_step(q, k, v, kv_ok[None, :],
                                              m_i, l_i, acc, qk_scale, DOT_PRECISION)
 
@@ -139,8 +149,10 @@ def _drafter_attention_naive_kernel(
     stride_ob, stride_oi, stride_oh,
     GAMMA: tl.constexpr, G: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINK: tl.constexpr,
+    KV_SHARED: tl.constexpr,
 ):
-    """Program (b * γ + i, head): one query vector against the whole context and block, on CUDA cores."""
+    """Program (b * γ + i, head): one query vector against the whole context and block, on CUDA cores.
+    KV_SHARED: the values are the keys."""
     b = (tl.program_id(0) // GAMMA).to(tl.int64)
     i = tl.program_id(0) % GAMMA
     h = tl.program_id(1)
@@ -154,7 +166,11 @@ def _drafter_attention_naive_kernel(
     j_ok = j < GAMMA
     jd_mask = j_ok[:, None] & d_ok[None, :]
     kb = tl.load(kb_ptr + b * stride_kbb + j[:, None] * stride_kbi + kvh * stride_kbh + d[None, :], mask=jd_mask, other=0.0)
-    vb = tl.load(vb_ptr + b * stride_vbb + j[:, None] * stride_vbi + kvh * stride_vbh + d[None, :], mask=jd_mask, other=0.0)
+    if KV_SHARED:
+        vb = kb
+    else:
+        vb = tl.load(vb_ptr + b * stride_vbb + j[:, None] * stride_vbi + kvh * stride_vbh + d[None, :], mask=jd_mask,
+                     other=0.0)
     sb = tl.where(j_ok, tl.sum(kb.to(tl.float32) * q[None, :], 1) * qk_scale, float("-inf"))
     m_i = tl.max(sb, 0)  # finite: γ >= 1 block rows are always visible
     pb = tl.exp2(sb - m_i)
@@ -165,8 +181,13 @@ def _drafter_attention_naive_kernel(
     bt_row = block_tables_ptr + b * stride_bt
     for n0 in range(0, ctx_len, BLOCK_N):
         pos = n0 + n
-        k, v, kv_ok = _load_paged_kv(k_cache_ptr, v_cache_ptr, bt_row, pos, ctx_len, kvh, d, d_ok, stride_kb,
-                                     stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, PAGE)
+        if KV_SHARED:
+            k, kv_ok = _load_paged_rows(k_cache_ptr, bt_row, pos, ctx_len, kvh, d, d_ok, stride_kb, stride_kt,
+                                        stride_kh, PAGE)
+            v = k
+        else:
+            k, v, kv_ok = _load_paged_kv(k_cache_ptr, v_cache_ptr, bt_row, pos, ctx_len, kvh, d, d_ok, stride_kb,
+                                         stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, PAGE)
         s = tl.where(kv_ok, tl.sum(k.to(tl.float32) * q[None, :], 1) * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 0))
         alpha = tl.exp2(m_i - m_new)
@@ -195,6 +216,15 @@ def _check(q, k_block, v_block, k_cache, v_cache, block_tables, ctx_lens, sinks)
     assert sinks is None or sinks.shape == (Hq,)
     check_device(q)
     return B, gamma, Hq, Hkv, D
+
+
+def kv_shared(k_block, v_block, k_cache, v_cache) -> bool:
+    """Whether the values are the keys: the same views of the same memory (DeepSeek-V4's attention keeps one
+    vector per token for both, MQA). The kernels then gather each context tile once instead of twice."""
+    def same(a, b):
+        return a is b or (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+                          and a.dtype == b.dtype)
+    return same(k_block, v_block) and same(k_cache, v_cache)
 
 
 def _kv_args(k_block, v_block, k_cache, v_cache, block_tables) -> tuple[int, ...]:
@@ -315,7 +345,8 @@ def drafter_attention(
         GAMMA=gamma, G=G, PAGE=k_cache.shape[1], HEAD_DIM=D,
         BLOCK_M=launch["block_m"], BLOCK_G=next_pow2(max(16, gamma)), BLOCK_N=block_n,
         BLOCK_D=next_pow2(D), NUM_SPLITS=splits, HAS_SINK=sinks is not None,
-        DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps or launch["num_warps"],
+        DOT_PRECISION=dot_precision(q.dtype), KV_SHARED=kv_shared(k_block, v_block, k_cache, v_cache),
+        num_warps=num_warps or launch["num_warps"],
         num_stages=num_stages or launch["num_stages"],
     )
     if splits > 1:
@@ -351,7 +382,7 @@ def drafter_attention_naive(
         *q.stride()[:3], *_kv_args(k_block, v_block, k_cache, v_cache, block_tables), *out.stride()[:3],
         GAMMA=gamma, G=Hq // Hkv, PAGE=k_cache.shape[1], HEAD_DIM=D,
         BLOCK_G=next_pow2(gamma), BLOCK_N=block_n, BLOCK_D=next_pow2(D), HAS_SINK=sinks is not None,
-        num_warps=2,
+        KV_SHARED=kv_shared(k_block, v_block, k_cache, v_cache), num_warps=2,
     )
     return out
 
@@ -386,5 +417,5 @@ def drafter_attention_ref(
     return torch.einsum("bhij,bjhd->bihd", p, values).to(q.dtype)
 
 
-__all__ = ["drafter_attention", "drafter_attention_naive", "drafter_attention_ref", "drafter_launch",
+__all__ = ["drafter_attention", "drafter_attention_naive", "drafter_attention_ref", "drafter_launch", "kv_shared",
            "DRAFTER_TUNING", "DRAFTER_ROW_TILE", "DRAFTER_KEY_TILE"]

@@ -107,6 +107,17 @@ def _load_paged_kv(k_cache_ptr, v_cache_ptr, bt_row, pos, end, kvh, d, d_ok,
 
 
 @triton.jit
+def _load_paged_rows(cache_ptr, bt_row, pos, end, kvh, d, d_ok, stride_b, stride_t, stride_h, PAGE: tl.constexpr):
+    """_load_paged_kv for one cache: the rows of positions ``pos`` (those < end; others 0) of one KV head, for a
+    cache whose values are its keys (DeepSeek-V4's one KV vector per token). Returns (rows, ok)."""
+    ok = pos < end
+    blk = tl.load(bt_row + pos // PAGE, mask=ok, other=0).to(tl.int64)
+    rows = tl.load(cache_ptr + (blk * stride_b + pos % PAGE * stride_t + kvh * stride_h)[:, None] + d[None, :],
+                   mask=ok[:, None] & d_ok[None, :], other=0.0)
+    return rows, ok
+
+
+@triton.jit
 def _online_softmax_step(q, k, v, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr):
     """One K/V tile of an online softmax. q [M, D], k/v [N, D], valid [M, N]; running row max m_i
     and sum l_i [M] (log2 domain), unnormalised output acc [M, D] fp32."""

@@ -17,6 +17,7 @@ from dspark.kernels.drafter_attention import (  # noqa: E402
     drafter_attention_naive,
     drafter_attention_ref,
     drafter_launch,
+    kv_shared,
 )
 from dspark.layers.attention import context_slots  # noqa: E402
 
@@ -82,6 +83,22 @@ def test_head_dim_512_matches_reference(num_splits):
     assert drafter_launch(5, 8, 512)["row_tiles"] == 3
     out = drafter_attention(**x, sinks=s, num_splits=num_splits)
     torch.testing.assert_close(out, drafter_attention_ref(**x, sinks=s), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim,heads,num_splits", [(32, (9, 3), 1), (32, (9, 3), 3), (512, (8, 1), 2)],
+                         ids=["gqa3", "gqa3-split", "v4"])
+def test_kv_shared_matches_reference(head_dim, heads, num_splits):
+    """DeepSeek-V4's one KV vector per token (K = V): the same tensors passed as keys and values take the one-gather
+    path (kv_shared), in both kernels, and agree with the reference; equal values in other memory do not."""
+    x = make_inputs(CTX, gamma=5, heads=heads, head_dim=head_dim, page=4, seed=8)
+    x.update(v_block=x["k_block"], v_cache=x["k_cache"])
+    s = torch.randn(heads[0], generator=torch.Generator().manual_seed(5)) * 2
+    assert kv_shared(x["k_block"], x["v_block"], x["k_cache"], x["v_cache"])
+    assert not kv_shared(x["k_block"], x["k_block"].clone(), x["k_cache"], x["v_cache"])
+    assert not kv_shared(x["k_block"], x["v_block"], x["k_cache"], x["k_cache"][:, :2])
+    ref = drafter_attention_ref(**x, sinks=s)
+    torch.testing.assert_close(drafter_attention(**x, sinks=s, num_splits=num_splits), ref, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(drafter_attention_naive(**x, sinks=s), ref, atol=2e-5, rtol=1e-5)
 
 
 def test_default_launch():
