@@ -412,30 +412,28 @@ def seed_grid(dtype, checks, rows, skipped, kv_shared: bool = False) -> None:
                     print(f"hq={hq} ctx={ctx} B={B} {name}: {us:.1f} us", flush=True)
 
 
-SEED_COLS_TILES = ((64, 32, 4, 4, 64), (128, 64, 8, 4, 64), (64, 64, 8, 4, 128))
-"""(block_m, block_n, num_warps, col_splits, block_dk) of the column-split kernel timed by --seed-cols: the three
-that spilled least when compiled offline for sm_90 (ptxas -v: 0.3-0.6 KB per thread; session 45)."""
-SEED_COLS_HQ = (32,)  # one G: each launch shape x split count x G is a compile of ~8 s at head_dim 512
+SEED_COLS_TILES = ((64, 64, 4, 4), (64, 64, 8, 4), (32, 64, 4, 4), (64, 64, 8, 2), (128, 64, 8, 4))
+"""(block_m, block_n, num_warps, col_splits) of the column-split kernel timed by --seed-cols (block_dk 128)."""
 
 
 def seed_cols(dtype, checks, rows, skipped, kv_shared: bool = False) -> None:
     """Seed 001's shape, batch 1 and 12: the wrapper's default launch against the column-split kernel
     (drafter_attention(col_splits=...): each program one slice of the 512 output columns, so 64- and 128-row
-    tiles fit the registers and the programs multiply without key splits) at SEED_COLS_TILES x key splits 1 / 4
-    (batch 1) or 1 / 2 (batch 12), Hq SEED_COLS_HQ. Each launch is checked against the reference and printed as it is timed."""
+    tiles fit the registers and the programs multiply without key splits) at SEED_COLS_TILES x key splits 1-4
+    (8 too at batch 1). Each launch is checked against the reference and printed as it is timed."""
     from dspark.kernels.drafter_attention import drafter_attention, drafter_attention_ref
 
     D, gamma = SEED_HEAD_DIM, SEED_GAMMA
     for ctx in SEED_CONTEXTS:
-        for hq in SEED_COLS_HQ:
+        for hq in SEED_HQ:
             sinks = torch.randn(hq, device="cuda")
             for B in (1, 12):
                 x = drafter_inputs(B, gamma, ctx, dtype, "cuda", hq=hq, hkv=1, head_dim=D, kv_shared=kv_shared)
                 ref = drafter_attention_ref(**x, sinks=sinks)
                 launches = [("default", {})] + [
-                    (f"cols{c}_dk{dk}_m{m}_n{n}_w{w}_s{sp}", dict(block_m=m, block_n=n, num_warps=w, col_splits=c,
-                                                                    block_dk=dk, num_splits=sp))
-                    for m, n, w, c, dk in SEED_COLS_TILES for sp in ((1, 4) if B == 1 else (1, 2))]
+                    (f"cols{c}_m{m}_n{n}_w{w}_s{sp}", dict(block_m=m, block_n=n, num_warps=w, col_splits=c,
+                                                             num_splits=sp))
+                    for m, n, w, c in SEED_COLS_TILES for sp in ((1, 2, 4, 8) if B == 1 else (1, 2, 4))]
                 for name, kw in launches:
                     case = {"kernel": "drafter", "gamma": gamma, "ctx": ctx, "hq": hq, "hkv": 1, "head_dim": D, "B": B,
                             "path": name, **kw}

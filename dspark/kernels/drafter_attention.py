@@ -185,14 +185,14 @@ def _drafter_attention_cols_kernel(
     j = tl.arange(0, BLOCK_G)
     j_ok = (j < GAMMA) & (split == 0)
     kb_rows = kb_ptr + b * stride_kbb + j * stride_kbi + kvh * stride_kbh
-    sb = tl.zeros([BLOCK_M, BLOCK_G], tl.float32)  # not `s`: a loop-carried name keeps its shape
+    s = tl.zeros([BLOCK_M, BLOCK_G], tl.float32)
     for c in tl.static_range(HEAD_DIM // BLOCK_DK):
         qc = tl.load(q_rows[:, None] + c * BLOCK_DK + dk[None, :], mask=row_ok[:, None], other=0.0)
-        kbc = tl.load(kb_rows[:, None] + c * BLOCK_DK + dk[None, :], mask=j_ok[:, None], other=0.0)
-        sb += tl.dot(qc, tl.trans(kbc), input_precision=DOT_PRECISION)
+        kc = tl.load(kb_rows[:, None] + c * BLOCK_DK + dk[None, :], mask=j_ok[:, None], other=0.0)
+        s += tl.dot(qc, tl.trans(kc), input_precision=DOT_PRECISION)
     vb = tl.load(vb_ptr + b * stride_vbb + j[:, None] * stride_vbi + kvh * stride_vbh + dv[None, :],
                  mask=j_ok[:, None], other=0.0)
-    m_i, l_i, acc = _softmax_update(sb * qk_scale, j_ok[None, :], vb, m_i, l_i, acc, DOT_PRECISION)
+    m_i, l_i, acc = _softmax_update(s * qk_scale, j_ok[None, :], vb, m_i, l_i, acc, DOT_PRECISION)
 
     split_len = ((ctx_len + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
     lo = split * split_len
@@ -205,9 +205,9 @@ def _drafter_attention_cols_kernel(
         blk = tl.load(bt_row + pos // PAGE, mask=ok, other=0).to(tl.int64)
         k_rows = k_cache_ptr + blk * stride_kb + pos % PAGE * stride_kt + kvh * stride_kh
         s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for ck in range(HEAD_DIM // BLOCK_DK):  # a loop, not unrolled: q is not held in registers throughout
-            qc = tl.load(q_rows[:, None] + ck * BLOCK_DK + dk[None, :], mask=row_ok[:, None], other=0.0)
-            kc = tl.load(k_rows[:, None] + ck * BLOCK_DK + dk[None, :], mask=ok[:, None], other=0.0)
+        for c in tl.static_range(HEAD_DIM // BLOCK_DK):
+            qc = tl.load(q_rows[:, None] + c * BLOCK_DK + dk[None, :], mask=row_ok[:, None], other=0.0)
+            kc = tl.load(k_rows[:, None] + c * BLOCK_DK + dk[None, :], mask=ok[:, None], other=0.0)
             s += tl.dot(qc, tl.trans(kc), input_precision=DOT_PRECISION)
         v = tl.load(v_cache_ptr + (blk * stride_vb + pos % PAGE * stride_vt + kvh * stride_vh)[:, None] + dv[None, :],
                     mask=ok[:, None], other=0.0)
