@@ -14,9 +14,7 @@ at SmolLM2-135M's attention shapes (9 query heads, 3 KV heads, head_dim 64), bf1
   ("v1") at 24.7 µs at batch 1 and 201.8 µs at batch 12, its shared tile ("v2") at 14.8 and 15.2 µs (13.3x).
 - ``--seed-grid``: at the same shape, the wrapper's launch against the tile shapes fastest at batch 12 at split
   counts 1-8, batch 1 / 4 / 12 (``seed_grid``): the data for a launch rule at head_dim 512.
-- ``--seed-cols``: at the same shape, batch 1 / 12, the default launch against the column-split kernel
-  (``seed_cols``).
-- ``--kv-shared`` (with any of the three): the values are the keys, one tensor, as in DeepSeek-V4 (one KV vector per token,
+- ``--kv-shared`` (with either): the values are the keys, one tensor, as in DeepSeek-V4 (one KV vector per token,
   the seed's "shared KV"); both kernels then gather each context tile once. Without it K and V are separate tensors.
 
 Every path is first checked against the PyTorch reference on the GPU (bf16 inputs, plus one fp32
@@ -26,7 +24,7 @@ do_bench_cudagraph: GPU time without launch overhead, as the engine's captured s
 median in microseconds. Prints a table; ``--out`` writes the results as JSON.
 
 Usage: python benchmarks/kernel_attention_bench.py --out out/kernel_attention.json [--quick] [--drafter-sweep] [--paged-sweep]
-       [--drafter-scaling | --drafter-floor | --seed-shape | --seed-grid | --seed-cols [--kv-shared]]
+       [--drafter-scaling | --drafter-floor | --seed-shape | --seed-grid [--kv-shared]]
 """
 
 from __future__ import annotations
@@ -412,44 +410,6 @@ def seed_grid(dtype, checks, rows, skipped, kv_shared: bool = False) -> None:
                     print(f"hq={hq} ctx={ctx} B={B} {name}: {us:.1f} us", flush=True)
 
 
-SEED_COLS_TILES = ((64, 64, 4, 4), (64, 64, 8, 4), (32, 64, 4, 4), (64, 64, 8, 2), (128, 64, 8, 4))
-"""(block_m, block_n, num_warps, col_splits) of the column-split kernel timed by --seed-cols (block_dk 128)."""
-
-
-def seed_cols(dtype, checks, rows, skipped, kv_shared: bool = False) -> None:
-    """Seed 001's shape, batch 1 and 12: the wrapper's default launch against the column-split kernel
-    (drafter_attention(col_splits=...): each program one slice of the 512 output columns, so 64- and 128-row
-    tiles fit the registers and the programs multiply without key splits) at SEED_COLS_TILES x key splits 1-4
-    (8 too at batch 1). Each launch is checked against the reference and printed as it is timed."""
-    from dspark.kernels.drafter_attention import drafter_attention, drafter_attention_ref
-
-    D, gamma = SEED_HEAD_DIM, SEED_GAMMA
-    for ctx in SEED_CONTEXTS:
-        for hq in SEED_HQ:
-            sinks = torch.randn(hq, device="cuda")
-            for B in (1, 12):
-                x = drafter_inputs(B, gamma, ctx, dtype, "cuda", hq=hq, hkv=1, head_dim=D, kv_shared=kv_shared)
-                ref = drafter_attention_ref(**x, sinks=sinks)
-                launches = [("default", {})] + [
-                    (f"cols{c}_m{m}_n{n}_w{w}_s{sp}", dict(block_m=m, block_n=n, num_warps=w, col_splits=c,
-                                                             num_splits=sp))
-                    for m, n, w, c in SEED_COLS_TILES for sp in ((1, 2, 4, 8) if B == 1 else (1, 2, 4))]
-                for name, kw in launches:
-                    case = {"kernel": "drafter", "gamma": gamma, "ctx": ctx, "hq": hq, "hkv": 1, "head_dim": D, "B": B,
-                            "path": name, **kw}
-                    try:
-                        out = drafter_attention(**x, sinks=sinks, max_ctx_len=ctx, **kw)
-                        torch.cuda.synchronize()
-                    except Exception as e:  # noqa: BLE001 - out of shared memory or registers: record, go on
-                        skipped.append({**case, "error": f"{type(e).__name__}: {str(e)[:300]}"})
-                        print(f"hq={hq} ctx={ctx} B={B} {name}: skipped ({type(e).__name__})", flush=True)
-                        continue
-                    check(f"{name} vs ref [seed hq={hq} B={B} ctx={ctx}]", max_err(out, ref), 2e-2, checks)
-                    us, how = time_us(lambda: drafter_attention(**x, sinks=sinks, max_ctx_len=ctx, **kw))
-                    rows.append({**case, "us": us, "timed_as": how})
-                    print(f"hq={hq} ctx={ctx} B={B} {name}: {us:.1f} us", flush=True)
-
-
 def fp32_checks(checks) -> None:
     """Exact-precision kernels (fp32 inputs, IEEE products) agree with the references tightly."""
     from dspark.kernels.drafter_attention import drafter_attention, drafter_attention_ref
@@ -533,16 +493,12 @@ def main() -> None:
     ap.add_argument("--seed-grid", action="store_true",
                     help="only the drafter kernel at seed 001's shape, batch 1 / 4 / 12: the default launch and the "
                          "tile shapes fastest at batch 12 at split counts 1-8 (a launch rule for head_dim 512)")
-    ap.add_argument("--seed-cols", action="store_true",
-                    help="only the drafter kernel at seed 001's shape, batch 1 / 12: the default launch against the "
-                         "column-split kernel (col_splits) at a few tile shapes x key splits")
     ap.add_argument("--kv-shared", action="store_true",
-                    help="with --seed-shape / --seed-grid / --seed-cols: the values are the keys, one tensor, as in DeepSeek-V4 "
+                    help="with --seed-shape / --seed-grid: the values are the keys, one tensor, as in DeepSeek-V4 "
                          "(the kernels then gather each context tile once)")
     args = ap.parse_args()
-    seed = args.seed_shape or args.seed_grid or args.seed_cols
-    if args.kv_shared and not seed:
-        ap.error("--kv-shared goes with --seed-shape, --seed-grid or --seed-cols")
+    if args.kv_shared and not (args.seed_shape or args.seed_grid):
+        ap.error("--kv-shared goes with --seed-shape or --seed-grid")
     if not torch.cuda.is_available():
         sys.exit("kernel_attention_bench needs a CUDA GPU")
     import triton
@@ -562,8 +518,6 @@ def main() -> None:
         seed_shape(dtype, checks, rows, skipped, args.kv_shared)
     elif args.seed_grid:
         seed_grid(dtype, checks, rows, skipped, args.kv_shared)
-    elif args.seed_cols:
-        seed_cols(dtype, checks, rows, skipped, args.kv_shared)
     elif args.drafter_scaling:
         scaling = [(B, 7, ctx) for ctx in (128, 512, 1000, 4000) for B in (1, 2, 4, 8, 12, 32)]
         run_drafter(scaling, dtype, checks, rows, only=("shared_tile", "shared_tile_w4_st3", "naive", "torch_sdpa"))
@@ -573,16 +527,15 @@ def main() -> None:
     print_table(rows)
     shapes = ({"q_heads": list(SEED_HQ), "kv_heads": 1, "head_dim": SEED_HEAD_DIM, "page": PAGE, "gamma": SEED_GAMMA,
                "contexts": list(SEED_CONTEXTS),
-               "batches": list(SEED_GRID_BATCHES if args.seed_grid else (1, 12) if args.seed_cols else SEED_BATCHES),
-               "sinks": "per head",
+               "batches": list(SEED_GRID_BATCHES if args.seed_grid else SEED_BATCHES), "sinks": "per head",
                "kv": "shared (K = V, one tensor)" if args.kv_shared else "separate K and V tensors"}
-              if seed
+              if args.seed_shape or args.seed_grid
               else {"q_heads": HQ, "kv_heads": HKV, "head_dim": HEAD_DIM, "page": PAGE})
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
            "dtype": "bfloat16", "shapes": shapes,
            "timing": "median us per call; timed_as cuda_graph: CUDA-graph replay (triton.testing.do_bench_cudagraph)",
            "checks": checks, "results": rows}
-    if seed:
+    if args.seed_shape or args.seed_grid:
         res.update(seed_001=SEED_001, skipped=skipped)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -46,7 +46,6 @@ from dspark.kernels.paged_attention import (
     _load_paged_kv,
     _load_paged_rows,
     _online_softmax_step,
-    _softmax_update,
     _store_rows,
     check_device,
     combine_splits,
@@ -133,93 +132,6 @@ def _drafter_attention_kernel(
         sink = tl.full([BLOCK_M], float("-inf"), tl.float32)
     _store_rows(out_ptr, lse_ptr, b * stride_ob + qi * stride_oi + head * stride_oh + split * stride_os,
                 b * stride_lb + qi * stride_li + head * stride_lh + split, row_ok, d, d_ok,
-                m_i, l_i, acc, sink, NUM_SPLITS)
-
-
-@triton.jit
-def _drafter_attention_cols_kernel(
-    q_ptr, kb_ptr, vb_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, sink_ptr,
-    block_tables_ptr, ctx_lens_ptr,
-    qk_scale,
-    stride_qb, stride_qi, stride_qh,
-    stride_kbb, stride_kbi, stride_kbh,
-    stride_vbb, stride_vbi, stride_vbh,
-    stride_kb, stride_kt, stride_kh,
-    stride_vb, stride_vt, stride_vh,
-    stride_bt,
-    stride_ob, stride_oi, stride_oh, stride_os,
-    stride_lb, stride_li, stride_lh,
-    GAMMA: tl.constexpr, G: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr,
-    COL_SPLITS: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_SINK: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    """The shared-tile kernel with its output columns split (wide heads, head_dim 512): program (b, (kv head ×
-    row tile) × column slice c, split) computes the full scores of its BLOCK_M rows, q·k summed over head_dim in
-    chunks of BLOCK_DK (q re-read per key tile, from cache), and accumulates only output columns
-    [c·HEAD_DIM/COL_SPLITS, (c + 1)·HEAD_DIM/COL_SPLITS) of p·v. Its accumulator is COL_SPLITS times smaller, so
-    64-row tiles fit the registers, and the columns give more programs without key splits (whose fp32 partial
-    rows, 512 wide, cost a combine pass). When the values are the keys, the value slice was just read as part
-    of the key tile: a cache hit."""
-    BLOCK_DV: tl.constexpr = HEAD_DIM // COL_SPLITS
-    b = tl.program_id(0).to(tl.int64)
-    row_tiles = (GAMMA * G + BLOCK_M - 1) // BLOCK_M
-    col = tl.program_id(1) % COL_SPLITS
-    tile = tl.program_id(1) // COL_SPLITS
-    kvh = tile // row_tiles
-    split = tl.program_id(2)
-    ctx_len = tl.load(ctx_lens_ptr + b).to(tl.int64)
-
-    r = tile % row_tiles * BLOCK_M + tl.arange(0, BLOCK_M)
-    qi = r // G
-    head = kvh * G + r % G
-    row_ok = r < GAMMA * G
-    q_rows = q_ptr + b * stride_qb + qi * stride_qi + head * stride_qh  # [BLOCK_M] row starts
-    dk = tl.arange(0, BLOCK_DK)
-    dv = col * BLOCK_DV + tl.arange(0, BLOCK_DV)
-    dv_ok = dv < HEAD_DIM
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.full([BLOCK_M], 0.0, tl.float32)
-    acc = tl.full([BLOCK_M, BLOCK_DV], 0.0, tl.float32)
-
-    # the block's own γ rows, in split 0 only (as in the shared-tile kernel)
-    j = tl.arange(0, BLOCK_G)
-    j_ok = (j < GAMMA) & (split == 0)
-    kb_rows = kb_ptr + b * stride_kbb + j * stride_kbi + kvh * stride_kbh
-    s = tl.zeros([BLOCK_M, BLOCK_G], tl.float32)
-    for c in tl.static_range(HEAD_DIM // BLOCK_DK):
-        qc = tl.load(q_rows[:, None] + c * BLOCK_DK + dk[None, :], mask=row_ok[:, None], other=0.0)
-        kc = tl.load(kb_rows[:, None] + c * BLOCK_DK + dk[None, :], mask=j_ok[:, None], other=0.0)
-        s += tl.dot(qc, tl.trans(kc), input_precision=DOT_PRECISION)
-    vb = tl.load(vb_ptr + b * stride_vbb + j[:, None] * stride_vbi + kvh * stride_vbh + dv[None, :],
-                 mask=j_ok[:, None], other=0.0)
-    m_i, l_i, acc = _softmax_update(s * qk_scale, j_ok[None, :], vb, m_i, l_i, acc, DOT_PRECISION)
-
-    split_len = ((ctx_len + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-    lo = split * split_len
-    hi = tl.minimum(lo + split_len, ctx_len)
-    n = tl.arange(0, BLOCK_N)
-    bt_row = block_tables_ptr + b * stride_bt
-    for n0 in range(lo, hi, BLOCK_N):
-        pos = n0 + n
-        ok = pos < hi
-        blk = tl.load(bt_row + pos // PAGE, mask=ok, other=0).to(tl.int64)
-        k_rows = k_cache_ptr + blk * stride_kb + pos % PAGE * stride_kt + kvh * stride_kh
-        s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for c in tl.static_range(HEAD_DIM // BLOCK_DK):
-            qc = tl.load(q_rows[:, None] + c * BLOCK_DK + dk[None, :], mask=row_ok[:, None], other=0.0)
-            kc = tl.load(k_rows[:, None] + c * BLOCK_DK + dk[None, :], mask=ok[:, None], other=0.0)
-            s += tl.dot(qc, tl.trans(kc), input_precision=DOT_PRECISION)
-        v = tl.load(v_cache_ptr + (blk * stride_vb + pos % PAGE * stride_vt + kvh * stride_vh)[:, None] + dv[None, :],
-                    mask=ok[:, None], other=0.0)
-        m_i, l_i, acc = _softmax_update(s * qk_scale, ok[None, :], v, m_i, l_i, acc, DOT_PRECISION)
-
-    if HAS_SINK and NUM_SPLITS == 1:
-        sink = tl.load(sink_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
-    else:
-        sink = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    # every column slice stores the same log-sum-exp of its rows (several splits): identical values
-    _store_rows(out_ptr, lse_ptr, b * stride_ob + qi * stride_oi + head * stride_oh + split * stride_os,
-                b * stride_lb + qi * stride_li + head * stride_lh + split, row_ok, dv, dv_ok,
                 m_i, l_i, acc, sink, NUM_SPLITS)
 
 
@@ -358,9 +270,6 @@ WIDE_TILES = {"small": {"block_m": 16, "block_n": 32, "num_warps": 4},
 WIDE_LARGE_MIN_BATCH = 4
 WIDE_PROGRAMS_PER_SM = 1
 DRAFTER_PROGRAMS_PER_SM = 4  # default_num_splits's default, everywhere else
-# The column-split kernel's q·k chunk (col_splits): 128 columns of a 64-row q tile and a 64-key K tile are
-# 16 KB each in bf16. Not the default launch anywhere yet (session 45 times it: --seed-grid --col-splits).
-COLS_BLOCK_DK = 128
 DRAFTER_ROW_TILE = 8192
 DRAFTER_KEY_TILE = 16384
 ACC_PER_WARP = 32 * 32
@@ -405,17 +314,12 @@ def drafter_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    col_splits: int | None = None,
-    block_dk: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Shared-tile drafter attention -> [B, γ, Hq, D]. ``max_ctx_len`` (a hint: the context bucket a
     graph is captured for) caps the split count; ``num_splits`` / ``block_m`` (the row tile, a power of
     two >= 16) / ``block_n`` / ``num_warps`` / ``num_stages`` override the default launch
-    (``drafter_launch``: DRAFTER_TUNING, row tiles and more warps past DRAFTER_ROW_TILE). ``col_splits``
-    (a power of two dividing head_dim, 1 included) runs the column-split kernel instead
-    (``_drafter_attention_cols_kernel``: each program one slice of the output columns, q·k summed over chunks
-    of ``block_dk`` columns, COLS_BLOCK_DK unless given)."""
+    (``drafter_launch``: DRAFTER_TUNING, row tiles and more warps past DRAFTER_ROW_TILE)."""
     B, gamma, Hq, Hkv, D = _check(q, k_block, v_block, k_cache, v_cache, block_tables, ctx_lens, sinks)
     G = Hq // Hkv
     if out is None:
@@ -425,15 +329,7 @@ def drafter_attention(
         return out
     launch = drafter_launch(gamma, G, D, block_m, batch=B)
     block_n = block_n or launch["block_n"]
-    if col_splits is not None:
-        if col_splits < 1 or col_splits & (col_splits - 1) or D % col_splits or D & (D - 1):
-            raise ValueError(f"col_splits must be a power of two dividing head_dim (a power of two), got {col_splits} "
-                             f"for head_dim {D}")
-        block_dk = block_dk or min(COLS_BLOCK_DK, D)
-        if block_dk & (block_dk - 1) or D % block_dk or block_dk < 16:
-            raise ValueError(f"block_dk must be a power of two >= 16 dividing head_dim {D}, got {block_dk}")
-    cols = col_splits or 1
-    splits = num_splits or default_num_splits(B * Hkv * launch["row_tiles"] * cols, q.device, max_ctx_len, block_n,
+    splits = num_splits or default_num_splits(B * Hkv * launch["row_tiles"], q.device, max_ctx_len, block_n,
                                               launch["programs_per_sm"])
     if splits == 1:
         target, lse = out, out  # lse unused
@@ -442,21 +338,17 @@ def drafter_attention(
         target = torch.empty(B, gamma, Hq, splits, D, dtype=torch.float32, device=q.device)
         lse = torch.empty(B, gamma, Hq, splits, dtype=torch.float32, device=q.device)
         so = (*target.stride()[:4], *lse.stride()[:3])
-    args = (q, k_block, v_block, k_cache, v_cache, target, lse, sinks if sinks is not None else q,
-            block_tables, ctx_lens, scale * LOG2E,
-            *q.stride()[:3], *_kv_args(k_block, v_block, k_cache, v_cache, block_tables), *so)
-    common = dict(GAMMA=gamma, G=G, PAGE=k_cache.shape[1], HEAD_DIM=D, BLOCK_M=launch["block_m"],
-                  BLOCK_G=next_pow2(max(16, gamma)), BLOCK_N=block_n, NUM_SPLITS=splits, HAS_SINK=sinks is not None,
-                  DOT_PRECISION=dot_precision(q.dtype),
-                  num_warps=num_warps or (launch["num_warps"] if col_splits is None else  # the accumulator's rule
-                                          max(2, min(8, launch["block_m"] * (D // cols) // ACC_PER_WARP))),
-                  num_stages=num_stages or launch["num_stages"])
-    if col_splits is not None:
-        _drafter_attention_cols_kernel[(B, Hkv * launch["row_tiles"] * cols, splits)](
-            *args, BLOCK_DK=block_dk, COL_SPLITS=cols, **common)
-    else:
-        _drafter_attention_kernel[(B, Hkv * launch["row_tiles"], splits)](
-            *args, BLOCK_D=next_pow2(D), KV_SHARED=kv_shared(k_block, v_block, k_cache, v_cache), **common)
+    _drafter_attention_kernel[(B, Hkv * launch["row_tiles"], splits)](
+        q, k_block, v_block, k_cache, v_cache, target, lse, sinks if sinks is not None else q,
+        block_tables, ctx_lens, scale * LOG2E,
+        *q.stride()[:3], *_kv_args(k_block, v_block, k_cache, v_cache, block_tables), *so,
+        GAMMA=gamma, G=G, PAGE=k_cache.shape[1], HEAD_DIM=D,
+        BLOCK_M=launch["block_m"], BLOCK_G=next_pow2(max(16, gamma)), BLOCK_N=block_n,
+        BLOCK_D=next_pow2(D), NUM_SPLITS=splits, HAS_SINK=sinks is not None,
+        DOT_PRECISION=dot_precision(q.dtype), KV_SHARED=kv_shared(k_block, v_block, k_cache, v_cache),
+        num_warps=num_warps or launch["num_warps"],
+        num_stages=num_stages or launch["num_stages"],
+    )
     if splits > 1:
         combine_splits(target.view(B * gamma, Hq, splits, D), lse.view(B * gamma, Hq, splits),
                        out.view(B * gamma, Hq, D), sinks)

@@ -122,13 +122,6 @@ def _online_softmax_step(q, k, v, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION:
     """One K/V tile of an online softmax. q [M, D], k/v [N, D], valid [M, N]; running row max m_i
     and sum l_i [M] (log2 domain), unnormalised output acc [M, D] fp32."""
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-    return _softmax_update(s, valid, v, m_i, l_i, acc, DOT_PRECISION)
-
-
-@triton.jit
-def _softmax_update(s, valid, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
-    """_online_softmax_step from the scores ``s`` [M, N] (scaled, log2 domain): for kernels that build
-    them in pieces (drafter_attention's column-split kernel sums q·k over chunks of head_dim)."""
     s = tl.where(valid, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet stays at 0

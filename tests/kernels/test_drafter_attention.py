@@ -101,34 +101,6 @@ def test_kv_shared_matches_reference(head_dim, heads, num_splits):
     torch.testing.assert_close(drafter_attention_naive(**x, sinks=s), ref, atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("col_splits,block_dk", [(1, 16), (2, 32), (4, 16)])
-@pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("shared", [False, True], ids=["kv", "k=v"])
-def test_column_split_kernel_matches_reference(col_splits, block_dk, num_splits, shared):
-    """The column-split kernel (col_splits): each program one slice of the output columns, q·k summed over
-    chunks of head_dim; ragged contexts, sinks, key splits, 16-row tiles over two KV heads (rows 5 × 6 per head:
-    tiles of 16 and 14)."""
-    x = make_inputs(CTX, gamma=5, heads=(12, 2), head_dim=64, page=4, seed=9)
-    if shared:
-        x.update(v_block=x["k_block"], v_cache=x["k_cache"])
-    s = torch.randn(12, generator=torch.Generator().manual_seed(5)) * 2
-    out = drafter_attention(**x, sinks=s, num_splits=num_splits, block_m=16, block_n=16, col_splits=col_splits,
-                            block_dk=block_dk)
-    torch.testing.assert_close(out, drafter_attention_ref(**x, sinks=s), atol=2e-5, rtol=1e-5)
-
-
-def test_column_split_head_dim_512():
-    """V4's width: 4 slices of 128 columns, q·k over 4 chunks of 128, 64-row tiles (40 rows: one tile)."""
-    x = make_inputs([0, 5, 37], gamma=5, heads=(8, 1), head_dim=512, page=4, seed=4)
-    x.update(v_block=x["k_block"], v_cache=x["k_cache"])
-    s = torch.randn(8, generator=torch.Generator().manual_seed(5)) * 2
-    out = drafter_attention(**x, sinks=s, num_splits=2, block_m=64, block_n=16, col_splits=4)
-    torch.testing.assert_close(out, drafter_attention_ref(**x, sinks=s), atol=2e-5, rtol=1e-5)
-    for bad in (dict(col_splits=3), dict(col_splits=4, block_dk=96), dict(col_splits=0)):
-        with pytest.raises(ValueError, match="col_splits|block_dk"):
-            drafter_attention(**x, sinks=s, **bad)
-
-
 def test_default_launch():
     """SmolLM2's drafter (γ 7, 9 query / 3 KV heads, head_dim 64) keeps one 32-row tile and DRAFTER_TUNING's
     launch, the one its timings were measured with; V4's (γ 5, 32 or 64 heads on one 512-wide KV head) gets
