@@ -10,6 +10,10 @@ all γ block rows, itself and the rows after it included (bidirectional in the b
 Optionally a per-head attention sink (a learned logit, DeepSeek-V4's drafter) joins the softmax
 denominator only: ``o = Σ_j e^{s_j} v_j / (Σ_j e^{s_j} + e^{sink_h})``.
 
+When the values are the keys (``kv_shared``: the same tensors passed for both, as DeepSeek-V4 keeps one KV
+vector per token, MQA), both kernels gather each context tile once and use it twice. At seed 001's shape that is
+11-15 % faster at batch 1, 4 and 12 alike (H200, session 45, ``kernel_attention_bench.py --seed-grid --kv-shared``).
+
 Why the shared-tile kernel (seed 001's "v2"): every query row of a request attends to the same keys,
 so one program per (request, KV head) stacks all γ × G query rows (G = Hq / Hkv heads sharing the KV
 head: 15 rows for SmolLM2 at γ = 5) into one tile and streams each context K/V tile once, through
@@ -261,8 +265,11 @@ DRAFTER_TUNING = {"block_n": 64, "num_warps": 2, "num_stages": 2}
 # (WIDE_PROGRAMS_PER_SM, where the general rule asks 4 per SM: at batch 12, 4 splits cost 1.5-3x one or two).
 # Predicted from the grid (H100, 132 SMs, the H200's count): within 20 % of the best of the 9 launches timed in
 # each of the 12 cells (the best in 7); against the old default 2-3 % slower at batch 1 at context 128, 1.3-1.4x
-# faster at 512, 1.1-1.6x at batch 4 and 1.9-2.4x at batch 12 (docs/benchmarks.md, session 44; not re-timed as the
-# default yet: the calls for it found no machine).
+# faster at 512, 1.1-1.6x at batch 4 and 1.9-2.4x at batch 12 (docs/benchmarks.md, session 44). Re-timed as the
+# default in session 45 (H100 and H200): every cell within 2 % of the prediction.
+# Session 45 also tried, at this shape, a kernel that splits the 512 output columns across programs (so that 64-
+# and 128-row tensor-core tiles fit; commit 1105382, reverted): it spilled 0.3-1.3 KB per thread and was 0.93x the
+# default's time at batch 12, context 128, and 1.1-1.5x slower elsewhere, so it is not here.
 # Head dims between 128 and 512 keep the register-based rule below (not timed).
 WIDE_HEAD_DIM = 512
 WIDE_TILES = {"small": {"block_m": 16, "block_n": 32, "num_warps": 4},
