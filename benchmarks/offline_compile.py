@@ -1,0 +1,142 @@
+"""Compile a Triton kernel for an NVIDIA GPU this machine does not have, and report what it would use there:
+registers, spills, shared memory, whether the products became Hopper tensor-core (wgmma) instructions.
+No GPU is needed: Triton lowers the kernel to PTX for the target's compute capability, and the ``ptxas``
+bundled with Triton's wheel assembles it with ``-v``, which prints the registers and the spill bytes.
+
+Why: device time is scarce (docs/benchmarks.md, session 45: a GPU call spent its run on launches that did not
+compile — a loop-carried name changed shape, which Triton's CPU interpreter accepts — and the kernel that did
+compile spilled 0.3-1.3 KB per thread). A launch shape that does not compile, or spills, can be found here first.
+
+Usage:
+  python benchmarks/offline_compile.py --kernel dspark.kernels.drafter_attention:_drafter_attention_kernel \\
+      --constexprs '{"GAMMA": 5, "G": 32, ...}' [--types '{"out_ptr": "*fp32"}'] [--warps 4] [--stages 2] [--arch 90]
+  python benchmarks/offline_compile.py --drafter-seed     # the drafter kernel's default launches at seed 001's shape
+
+Argument types, unless --types says otherwise: ``*_ptr`` -> ``*bf16``, ``qk_scale``/``scale`` -> ``fp32``, an
+UPPER_CASE name -> a constexpr (its value from --constexprs), any other -> ``i64``. Prints one JSON line per compile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+# Compiled, not interpreted: Triton reads this when first imported, and dspark.kernels turns the interpreter on for a
+# machine without CUDA unless triton was imported before it.
+os.environ.pop("TRITON_INTERPRET", None)
+import triton  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def ptxas_path() -> Path:
+    return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+
+
+def signature_of(fn, types: dict | None = None) -> dict:
+    """Triton's signature for ASTSource: each argument's type by the naming rule of the module docstring."""
+    sig = {}
+    for name in inspect.signature(fn.fn).parameters:
+        if name.endswith("_ptr"):
+            sig[name] = "*bf16"
+        elif name in ("qk_scale", "scale"):
+            sig[name] = "fp32"
+        elif name.upper() == name:
+            sig[name] = "constexpr"
+        else:
+            sig[name] = "i64"
+    sig.update(types or {})
+    return sig
+
+
+def compile_report(fn, constexprs: dict, types: dict | None = None, num_warps: int = 4, num_stages: int = 2,
+                   arch: int = 90) -> dict:
+    """Compile ``fn`` (a @triton.jit function) for sm_<arch>; registers, spills and shared memory as ptxas and
+    Triton report them, or the compile error."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    out = {"kernel": fn.fn.__name__, "arch": arch, "num_warps": num_warps, "num_stages": num_stages,
+           "constexprs": constexprs}
+    try:
+        k = triton.compile(ASTSource(fn=fn, signature=signature_of(fn, types), constexprs=constexprs),
+                           target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps, "num_stages": num_stages})
+    except Exception as e:  # noqa: BLE001 - a compile error is a result here
+        return {**out, "error": f"{type(e).__name__}: {str(e)[-1500:]}"}
+    ptx = k.asm["ptx"]
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    suffix = "a" if arch >= 90 else ""  # sm_90a: the wgmma instructions need the architecture-specific target
+    r = subprocess.run([str(ptxas_path()), "-v", f"-arch=sm_{arch}{suffix}", f.name, "-o", "/dev/null"],
+                       capture_output=True, text=True)
+    Path(f.name).unlink()
+    if r.returncode != 0:
+        return {**out, "error": f"ptxas: {r.stderr[-1500:]}"}
+
+    def number(pattern: str) -> int:
+        m = re.search(pattern, r.stderr)
+        return int(m.group(1)) if m else 0
+
+    return {**out, "registers": number(r"Used (\d+) registers"), "spill_stores": number(r"(\d+) bytes spill stores"),
+            "spill_loads": number(r"(\d+) bytes spill loads"), "stack_frame": number(r"(\d+) bytes stack frame"),
+            "shared_bytes": k.metadata.shared, "wgmma": "wgmma" in ptx}
+
+
+def drafter_seed_reports(arch: int = 90, sms: int = 132) -> list[dict]:
+    """The shared-tile drafter kernel at its default launch (drafter_launch + split_count for ``sms`` SMs) at seed
+    001's shape: Hq 32 / 64 on one 512-wide KV head, γ 5, sinks, context 128 / 512, batch 1 / 4 / 12, K = V."""
+    from dspark.kernels.drafter_attention import _drafter_attention_kernel, drafter_launch
+    from dspark.kernels.paged_attention import split_count
+
+    reports = []
+    for hq in (32, 64):
+        for ctx in (128, 512):
+            for batch in (1, 4, 12):
+                lm = drafter_launch(5, hq, 512, batch=batch)
+                splits = split_count(batch * lm["row_tiles"], sms, ctx, lm["block_n"], lm["programs_per_sm"])
+                consts = dict(GAMMA=5, G=hq, PAGE=16, HEAD_DIM=512, BLOCK_M=lm["block_m"], BLOCK_G=16,
+                              BLOCK_N=lm["block_n"], BLOCK_D=512, NUM_SPLITS=splits, HAS_SINK=True,
+                              DOT_PRECISION="tf32", KV_SHARED=True)
+                types = {"out_ptr": "*bf16" if splits == 1 else "*fp32", "lse_ptr": "*fp32", "sink_ptr": "*fp32",
+                         "block_tables_ptr": "*i64", "ctx_lens_ptr": "*i64"}
+                rep = compile_report(_drafter_attention_kernel, consts, types, lm["num_warps"], lm["num_stages"], arch)
+                reports.append({"hq": hq, "ctx": ctx, "batch": batch, **rep})
+    return reports
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
+    ap.add_argument("--kernel", help="module:function of a @triton.jit kernel")
+    ap.add_argument("--constexprs", default="{}", help="JSON: the values of its constexpr arguments")
+    ap.add_argument("--types", default="{}", help='JSON: argument types overriding the naming rule, e.g. {"out_ptr": "*fp32"}')
+    ap.add_argument("--warps", type=int, default=4)
+    ap.add_argument("--stages", type=int, default=2)
+    ap.add_argument("--arch", type=int, default=90, help="compute capability x10 (default 90: H100 / H200)")
+    ap.add_argument("--drafter-seed", action="store_true",
+                    help="the drafter kernel's default launches at seed 001's shape instead of --kernel")
+    args = ap.parse_args()
+    if args.drafter_seed:
+        reports = drafter_seed_reports(args.arch)
+    elif args.kernel:
+        module, _, name = args.kernel.partition(":")
+        fn = getattr(importlib.import_module(module), name)
+        reports = [compile_report(fn, json.loads(args.constexprs), json.loads(args.types), args.warps, args.stages,
+                                  args.arch)]
+    else:
+        ap.error("give --kernel or --drafter-seed")
+    for rep in reports:
+        print(json.dumps(rep), flush=True)
+    if any("error" in rep for rep in reports):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

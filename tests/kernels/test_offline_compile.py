@@ -1,0 +1,44 @@
+"""benchmarks/offline_compile.py: a kernel compiled for sm_90 on this CPU machine (Triton's PTX, then the ptxas its
+wheel bundles), with registers / spills / shared memory read back; a launch that cannot compile reports the error.
+Run in a subprocess: the tool needs Triton compiled, not in the interpreter these tests import it in."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+ROOT = Path(__file__).resolve().parents[2]
+KERNEL = "dspark.kernels.drafter_attention:_drafter_attention_kernel"
+# SmolLM2's drafter at its default launch (drafter_launch(7, 3, 64): one 32-row tile, 64 keys, 2 warps, 2 stages)
+SMOL = dict(GAMMA=7, G=3, PAGE=16, HEAD_DIM=64, BLOCK_M=32, BLOCK_G=16, BLOCK_N=64, BLOCK_D=64, NUM_SPLITS=1,
+            HAS_SINK=False, DOT_PRECISION="tf32", KV_SHARED=False)
+TYPES = {"lse_ptr": "*fp32", "sink_ptr": "*fp32", "block_tables_ptr": "*i64", "ctx_lens_ptr": "*i64"}
+
+
+def offline(constexprs: dict) -> tuple[int, dict]:
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "offline_compile.py"), "--kernel", KERNEL,
+                        "--constexprs", json.dumps(constexprs), "--types", json.dumps(TYPES), "--warps", "2"],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+    lines = [line for line in r.stdout.splitlines() if line.startswith("{")]
+    assert lines, r.stderr[-2000:]
+    return r.returncode, json.loads(lines[-1])
+
+
+def test_compiles_for_sm90_without_a_gpu():
+    rc, rep = offline(SMOL)
+    assert rc == 0 and "error" not in rep, rep
+    assert 0 < rep["registers"] <= 255
+    assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0  # SmolLM2's 32 x 64 tile fits in registers
+    assert rep["shared_bytes"] > 0 and rep["arch"] == 90
+
+
+def test_a_launch_that_cannot_compile_reports_why():
+    """BLOCK_G = 12 is not a power of two: tl.arange refuses it, as the GPU would, where the call would fail."""
+    rc, rep = offline(dict(SMOL, BLOCK_G=12))
+    assert rc == 1 and "arange" in rep["error"], rep
