@@ -342,7 +342,10 @@ def make_cell(system: str, label: str, key: dict, runs: list[Run], batch_size: i
         target = 1000 * sum(r.target_s for r in runs) / steps
         drafter = 1000 * sum(r.drafter_s for r in runs) / steps
         cell.update(target_ms_per_step=target, drafter_ms_per_step=drafter,
-                    host_ms_per_step=cell["ms_per_step"] - target - drafter)
+                    host_ms_per_step=cell["ms_per_step"] - target - drafter,
+                    # each timed call's own, to tell one slow call from a slow process (session 45: a machine's
+                    # first bench process spent 3x the host time per step of the next, cause not found)
+                    host_ms_per_step_runs=[1000 * (r.wall_s - r.target_s - r.drafter_s) / r.steps for r in runs])
     spec_steps = sum(r.spec_steps for r in runs)
     if spec_steps:
         cell["tau"] = (spec_steps + sum(r.spec_accepted for r in runs)) / spec_steps
@@ -612,9 +615,10 @@ def _run_bench_matrix(a: argparse.Namespace) -> int:
             for b in batch_sizes:
                 waves = waves_of(prompts[ps], b, cell_prompts[b])
                 continuous = {name: name != "hf" and not a.static_batches for name in systems}
+                warm: dict[str, list[float]] = {name: [] for name in systems}  # the untimed calls' wall times
                 for name, s in systems.items():  # the whole cell: every shape it meets (JIT compiles) is warm
                     for _ in range(a.warmup):
-                        run_cell(s, waves, t, max_tokens, continuous[name])
+                        warm[name].append(run_cell(s, waves, t, max_tokens, continuous[name]).wall_s)
                 runs: dict[str, list[Run]] = {name: [] for name in systems}
                 before = {name: (_length_steps(s), _length_changes(s), _sched_stats(s)) for name, s in systems.items()}
                 compiles: dict[str, list[dict]] = {name: [] for name in systems}  # dspark.kernels.compile_watch
@@ -633,6 +637,7 @@ def _run_bench_matrix(a: argparse.Namespace) -> int:
                         c["greedy_share"] = a.greedy_share
                         c["greedy_tokens_sha256"] = tokens_hash([ids for ids, g in zip(r[0].token_ids, slots) if g])
                 for c, name in zip(new, systems):  # Triton compiles inside the timed calls (stalls the warm-up missed)
+                    c["warmup_wall_s"] = warm[name]
                     ev = compiles[name]
                     c["runtime_compiles"] = len(ev)
                     c["runtime_compile_ms"] = round(sum(e["ms"] for e in ev), 1)

@@ -86,8 +86,10 @@ def test_matrix_has_every_cell_consistent_speedups_lossless_greedy_and_plots(tin
             assert c["target_ms_per_step"] > 0
             assert c["target_ms_per_step"] + c["drafter_ms_per_step"] + c["host_ms_per_step"] == pytest.approx(
                 c["ms_per_step"])
+            assert c["host_ms_per_step_runs"] == [pytest.approx(c["host_ms_per_step"])]  # one timed call here
             hf = cells[("hf", b, ps, t)]
             assert c["speedup_vs_hf"] == pytest.approx(c["tok_s_total"] / hf["tok_s_total"])
+        assert len(c["warmup_wall_s"]) == 1 and c["warmup_wall_s"][0] > 0  # --warmup's default: one untimed call
         if system == "dspark_spec":
             plain = cells[("dspark_plain", b, ps, t)]
             assert c["speedup_vs_plain"] == pytest.approx(c["tok_s_total"] / plain["tok_s_total"])
