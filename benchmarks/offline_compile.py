@@ -93,8 +93,11 @@ def compile_report(fn, constexprs: dict, types: dict | None = None, num_warps: i
 def drafter_seed_reports(arch: int = 90, sms: int = 132) -> list[dict]:
     """The shared-tile drafter kernel at its default launch (drafter_launch + split_count for ``sms`` SMs) at seed
     001's shape: Hq 32 / 64 on one 512-wide KV head, γ 5, sinks, context 128 / 512, batch 1 / 4 / 12, K = V."""
+    import torch
+
+    from dspark.kernels import next_pow2
     from dspark.kernels.drafter_attention import _drafter_attention_kernel, drafter_launch
-    from dspark.kernels.paged_attention import split_count
+    from dspark.kernels.paged_attention import dot_precision, split_count
 
     reports = []
     for hq in (32, 64):
@@ -102,9 +105,10 @@ def drafter_seed_reports(arch: int = 90, sms: int = 132) -> list[dict]:
             for batch in (1, 4, 12):
                 lm = drafter_launch(5, hq, 512, batch=batch)
                 splits = split_count(batch * lm["row_tiles"], sms, ctx, lm["block_n"], lm["programs_per_sm"])
-                consts = dict(GAMMA=5, G=hq, PAGE=16, HEAD_DIM=512, BLOCK_M=lm["block_m"], BLOCK_G=16,
-                              BLOCK_N=lm["block_n"], BLOCK_D=512, NUM_SPLITS=splits, HAS_SINK=True,
-                              DOT_PRECISION="tf32", KV_SHARED=True)
+                # the constexprs drafter_attention passes for bf16 inputs
+                consts = dict(GAMMA=5, G=hq, PAGE=16, HEAD_DIM=512, BLOCK_M=lm["block_m"], BLOCK_G=next_pow2(max(16, 5)),
+                              BLOCK_N=lm["block_n"], BLOCK_D=next_pow2(512), NUM_SPLITS=splits, HAS_SINK=True,
+                              DOT_PRECISION=dot_precision(torch.bfloat16), KV_SHARED=True)
                 types = {"out_ptr": "*bf16" if splits == 1 else "*fp32", "lse_ptr": "*fp32", "sink_ptr": "*fp32",
                          "block_tables_ptr": "*i64", "ctx_lens_ptr": "*i64"}
                 rep = compile_report(_drafter_attention_kernel, consts, types, lm["num_warps"], lm["num_stages"], arch)
