@@ -129,6 +129,7 @@ class ModelRunner:
         self.model.fused = config.resolved_attention_backend == "triton"
         if config.batch_invariant:  # every target matmul through the batch-invariant kernel
             use_batch_invariant(self.model)
+            self.model.use_half_lm_head()  # CUDA, half model: its products on the tensor cores, fp32 sums
         else:  # the target's fp32 logits from half weights on CUDA (LlamaForCausalLM.use_half_lm_head)
             from dspark.layers import linear
 

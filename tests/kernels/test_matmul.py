@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspark.kernels.matmul import BLOCK_M, matmul_invariant, matmul_reference
+from dspark.kernels.matmul import (BLOCK_K, BLOCK_M, BLOCK_N, NUM_WARPS, invariant_launch, matmul_invariant,
+                                   matmul_reference)
 
 
 @pytest.mark.parametrize("M,K,N,bias", [(1, 64, 96, False), (37, 130, 70, True), (129, 64, 64, False)])
@@ -41,3 +42,21 @@ def test_out_and_leading_dims():
     out = torch.empty(6, 16)
     assert matmul_invariant(x.view(6, 64), w, out=out) is out
     torch.testing.assert_close(matmul_invariant(x, w), (x @ w), rtol=1e-5, atol=1e-5)
+
+
+def test_fp32_output_from_half_inputs():
+    # The lm_head in batch-invariant mode on CUDA: half weights and activations, the fp32 sums kept.
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 64, generator=g).half()
+    w = (torch.randn(64, 40, generator=g) / 8).half()
+    got = matmul_invariant(x, w, out_dtype=torch.float32)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, x.float() @ w.float(), rtol=1e-5, atol=1e-5)
+
+
+def test_launch_is_fixed_off_cuda():
+    # Off CUDA (and for fp32 inputs) the tile never changes with the row count: the interpreter's numpy
+    # products round a row by its place in the tile, and fp32 products were not measured on the GPU.
+    for dtype in (torch.float32, torch.float16):
+        for m in (1, 16, 17, 200, 1000):
+            assert invariant_launch(m, 49152, torch.empty(1, dtype=dtype)) == (BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS)
