@@ -157,9 +157,12 @@ def _combine_splits_kernel(
     part_ptr, lse_ptr, out_ptr, sink_ptr,
     stride_pr, stride_ph, stride_lr, stride_lh, stride_or, stride_oh,
     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_SINK: tl.constexpr,
+    HAS_SINK: tl.constexpr, ORDERED: tl.constexpr = False,
 ):
-    """Merge the key-range slices of one (query row, head): weights exp2(lse_s - max), plus the sink."""
+    """Merge the key-range slices of one (query row, head): weights exp2(lse_s - max), plus the sink.
+    ORDERED: the slices are added one after the other, slice 0 first, and the sink last, so that empty
+    trailing slices (weight 0, output 0) add exact zeros and the sums do not depend on NUM_SPLITS (a
+    vector sum's order follows its length and layout); the fixed key slices of batch-invariant mode."""
     r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
@@ -170,13 +173,24 @@ def _combine_splits_kernel(
         sink = tl.load(sink_ptr + h).to(tl.float32) * 1.4426950408889634
     else:
         sink = float("-inf")
-    m = tl.maximum(tl.max(lse, 0), sink)
+    m = tl.maximum(tl.max(lse, 0), sink)  # a max is exact in any order
     m_ref = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m_ref)
-    denom = tl.sum(w, 0) + tl.exp2(sink - m_ref)
-    o = tl.load(part_ptr + r * stride_pr + h * stride_ph + s[:, None] * HEAD_DIM + d[None, :],
-                mask=s_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
-    o = tl.sum(w[:, None] * o, 0) / tl.where(denom == 0.0, 1.0, denom)
+    if ORDERED:
+        denom = tl.zeros([1], tl.float32)
+        acc = tl.zeros([BLOCK_D], tl.float32)
+        for i in tl.static_range(NUM_SPLITS):
+            w_i = tl.exp2(tl.load(lse_ptr + r * stride_lr + h * stride_lh + i + tl.arange(0, 1)) - m_ref)
+            denom += w_i
+            acc += w_i * tl.load(part_ptr + r * stride_pr + h * stride_ph + i * HEAD_DIM + d, mask=d < HEAD_DIM,
+                                 other=0.0)
+        denom += tl.exp2(sink - m_ref)
+        o = acc / tl.where(denom == 0.0, 1.0, denom)
+    else:
+        w = tl.exp2(lse - m_ref)
+        denom = tl.sum(w, 0) + tl.exp2(sink - m_ref)
+        o = tl.load(part_ptr + r * stride_pr + h * stride_ph + s[:, None] * HEAD_DIM + d[None, :],
+                    mask=s_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+        o = tl.sum(w[:, None] * o, 0) / tl.where(denom == 0.0, 1.0, denom)
     tl.store(out_ptr + r * stride_or + h * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
@@ -249,7 +263,7 @@ def _paged_attention_kernel(
     G: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, FUSE_COMBINE: tl.constexpr, MAX_CHUNKS: tl.constexpr,
-    ROPE_IN: tl.constexpr, HAS_QNORM: tl.constexpr, HAS_KNORM: tl.constexpr,
+    ROPE_IN: tl.constexpr, HAS_QNORM: tl.constexpr, HAS_KNORM: tl.constexpr, SPLIT_KEYS: tl.constexpr = 0,
 ):
     """Program (b, kv head, split * q_programs + c): query chunks c, c + q_programs, ... of request b
     (BLOCK_Q query tokens × G heads each), against key slice ``split`` of what the chunk may see.
@@ -291,9 +305,13 @@ def _paged_attention_kernel(
                         mask=row_ok[:, None] & d_ok[None, :], other=0.0)
         # The chunk's last query sees keys < kv_end; this program takes one slice of [0, kv_end).
         kv_end = tl.minimum(seq_len, ctx_len + c0 + BLOCK_Q)
-        split_len = ((kv_end + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-        lo = split * split_len
-        hi = tl.minimum(lo + split_len, kv_end)
+        if SPLIT_KEYS > 0:  # fixed slices [s * SPLIT_KEYS, (s + 1) * SPLIT_KEYS), the last one to the end
+            lo = split * SPLIT_KEYS
+            hi = tl.where(split == NUM_SPLITS - 1, kv_end, tl.minimum(lo + SPLIT_KEYS, kv_end))
+        else:  # NUM_SPLITS equal slices of what this chunk sees
+            split_len = ((kv_end + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+            lo = split * split_len
+            hi = tl.minimum(lo + split_len, kv_end)
         if ROPE_IN:  # the new tokens' K (rotated) and V of this slice, this KV head, into the cache
             for p0 in range(tl.maximum(lo, ctx_len), hi, BLOCK_N):
                 p = p0 + n
@@ -364,8 +382,10 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1, "cache rows must be contiguous in head_dim"
 
 
-def combine_splits(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, sinks: torch.Tensor | None) -> None:
-    """out [R, H, D] from slices part [R, H, S, D] (normalised) and lse [R, H, S] (log2 domain)."""
+def combine_splits(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, sinks: torch.Tensor | None,
+                   ordered: bool = False) -> None:
+    """out [R, H, D] from slices part [R, H, S, D] (normalised) and lse [R, H, S] (log2 domain); ``ordered``:
+    slice by slice (_combine_splits_kernel's ORDERED)."""
     R, H, S, D = part.shape
     if R == 0:
         return
@@ -373,7 +393,7 @@ def combine_splits(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, sin
         part, lse, out, sinks if sinks is not None else lse,
         part.stride(0), part.stride(1), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
         NUM_SPLITS=S, BLOCK_S=next_pow2(S), HEAD_DIM=D, BLOCK_D=next_pow2(D), HAS_SINK=sinks is not None,
-        num_warps=1 if D <= 64 else 2,
+        ORDERED=ordered, num_warps=1 if D <= 64 else 2,
     )
 
 
@@ -389,6 +409,7 @@ def paged_attention(
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
     num_splits: int | None = None,
+    split_keys: int | None = None,
     block_n: int | None = None,
     block_m: int | None = None,
     fuse_combine: bool | None = None,
@@ -416,6 +437,13 @@ def paged_attention(
     Triton lays the tile out over the warps, and so the order in which a row's softmax max and sum
     are reduced — a one-token decode (16-row tile) and a 1 + N-token verification (32 rows) would
     otherwise round the same row differently.
+
+    ``split_keys`` (batch-invariant mode; a multiple of the key tile): fixed key slices instead, slice s being
+    keys [s * split_keys, (s + 1) * split_keys) whatever the step, ``ceil(max_seq_len / split_keys)`` of them
+    (``max_seq_len`` required), merged slice by slice (``combine_splits(ordered=True)``). A row then sums the
+    same tiles in the same slices whether it is decoded alone or verified beside N others, or in a batch of
+    any size: a slice past the row's keys adds exact zeros. Equal slices of what the step sees (the default)
+    move their bounds with the step's length and the split count with the batch.
 
     ``rope``: fused_ops.rope_qk_cache in the same launch (``q`` then holds the raw queries, a strided
     view of the qkv projection is fine): a dict with ``k``, ``v`` [T, Hkv, D] (raw new keys, values),
@@ -448,6 +476,11 @@ def paged_attention(
         raise ValueError(f"block_m must be a power of two >= max(16, G={G}), got {block_m}")
     block_q = block_m // G
     q_programs = -(-mq // block_q) if max_query_len is not None else 1
+    if split_keys is not None:
+        if max_seq_len is None or num_splits is not None or block_n is None or split_keys % block_n:
+            raise ValueError(f"split_keys ({split_keys}) needs max_seq_len, a block_n dividing it and no num_splits")
+        num_splits = max(1, -(-max_seq_len // split_keys))
+        fuse_combine = False
     if tuning and block_n is None and num_splits is None and num_warps is None and num_stages is None:
         tuned = tuned_launch(block_m, B * Hkv * q_programs, max_seq_len, sm_count(q.device) if q.is_cuda else None)
         block_n, num_splits, num_stages = tuned.get("block_n"), tuned.get("num_splits"), tuned.get("num_stages")
@@ -492,7 +525,7 @@ def paged_attention(
         BLOCK_D=next_pow2(D), NUM_SPLITS=splits, DOT_PRECISION=dot_precision(q.dtype),
         FUSE_COMBINE=fuse, MAX_CHUNKS=max_chunks if fuse else 1,  # a constexpr: unfused, one value, one compile
         ROPE_IN=rope is not None, HAS_QNORM=rope is not None and rope.get("q_norm") is not None,
-        HAS_KNORM=rope is not None and rope.get("k_norm") is not None,
+        HAS_KNORM=rope is not None and rope.get("k_norm") is not None, SPLIT_KEYS=split_keys or 0,
         # fp32 RoPE products must not be contracted into FMAs (fused_ops' exactness note); in bf16/fp16 the
         # explicit roundings already keep them apart, and the attention math keeps its FMAs.
         num_warps=num_warps or 4, **({"num_stages": num_stages} if num_stages else {}),
@@ -500,7 +533,7 @@ def paged_attention(
                         else {}),
     )
     if splits > 1 and not fuse:
-        combine_splits(target, lse, out, None)
+        combine_splits(target, lse, out, None, ordered=split_keys is not None)
     return out
 
 

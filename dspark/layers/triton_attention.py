@@ -56,6 +56,13 @@ class TritonAttentionMetadata:
     max_seq_len: int
 
 
+# Batch-invariant mode's key slice. Until session 46 the mode did not split the key range at all, and a batch-1
+# decode step then ran 3 programs (SmolLM2's KV heads) over the whole context; slices of 128 keys give about the
+# default's split count at the bench's contexts (4-8 at 512-1,024 keys, where the default takes 8 at batch 1 and
+# 4 at batch 32). Measured in docs/benchmarks.md (session 46).
+INVARIANT_SPLIT_KEYS = 128
+
+
 def seq_len_hint(n: int) -> int:
     """The longest context of a step, rounded up as the CUDA graphs' context buckets are (powers of two
     from cuda_graphs.SMALLEST_BUCKET): the kernel's launch (split count, tiles) follows this hint and
@@ -78,12 +85,13 @@ class TritonAttentionBackend:
 
     def __init__(self, device: str | torch.device, batch_invariant: bool = False) -> None:
         device = torch.device(device)
-        # Batch-invariant (EngineConfig.batch_invariant): no key-range split, one key tile size and one
-        # query tile size, so a row's softmax sums the same tiles in the same order, reduced over the
-        # same warp layout, however many rows its request or the batch has (the split count and the
-        # tile sizes otherwise follow the batch's shape; paged_attention's docstring says why the
-        # query tile matters too).
-        self._fixed = {"num_splits": 1, "block_n": 64, "block_m": 64} if batch_invariant else {}
+        # Batch-invariant (EngineConfig.batch_invariant): fixed key slices (INVARIANT_SPLIT_KEYS keys each,
+        # merged in order), one key tile size and one query tile size, so a row's softmax sums the same
+        # tiles in the same slices in the same order, reduced over the same warp layout, however many rows
+        # its request or the batch has (the split count and the tile sizes otherwise follow the batch's
+        # shape; paged_attention's docstring says why the query tile matters too).
+        self._fixed = ({"split_keys": INVARIANT_SPLIT_KEYS, "block_n": 64, "block_m": 64} if batch_invariant
+                       else {})
         try:
             from dspark.kernels import interpreter_ready
             from dspark.kernels import paged_attention as pa

@@ -206,6 +206,51 @@ def test_fixed_query_tile_of_batch_invariant_mode(name, seq_lens, q_lens):
 
 
 @pytest.mark.parametrize("name,seq_lens,q_lens", CASES, ids=[c[0] for c in CASES])
+def test_fixed_key_slices_match_the_reference(name, seq_lens, q_lens):
+    """split_keys (batch-invariant mode): fixed key slices, merged in order; more slices than the keys need
+    (a larger bucket) and a hint below the longest context (the last slice runs to the end) stay exact."""
+    b = make_batch(seq_lens, q_lens, heads=(9, 3), head_dim=64, page=4, pad_requests=1)
+    kc, vc = written(b)
+    ref = paged_attention_ref(b.q, kc, vc, b.block_tables, b.seq_lens, b.qsl, 0.125)
+    for max_seq_len in (64, 128, 16):
+        out = paged_attention(b.q, kc, vc, b.block_tables, b.seq_lens, b.qsl, 0.125, max_query_len=max(q_lens),
+                              max_seq_len=max_seq_len, split_keys=16, block_n=8, block_m=64)
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
+    for bad in (dict(split_keys=12, block_n=8), dict(split_keys=16), dict(split_keys=16, block_n=8, num_splits=2)):
+        with pytest.raises(ValueError, match="split_keys"):
+            paged_attention(b.q, kc, vc, b.block_tables, b.seq_lens, b.qsl, 0.125, max_seq_len=64, **bad)
+
+
+def _decode_and_verify_row(split_kw: dict, verify_batch: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The output of one query row (a request's token at position 90, 90 keys before it) decoded alone
+    in a bucket of 128, and the same row verified as the first of 8 new tokens (98 keys) beside a longer
+    request in a bucket of 256 (or alone, ``verify_batch`` False), on the same cache."""
+    b = make_batch([98, 150], [8, 5], heads=(9, 3), head_dim=64, page=4, seed=5)
+    kc, vc = written(b)
+    one = dict(block_tables=b.block_tables[:1], qsl=torch.tensor([0, 1]), seq_lens=torch.tensor([91]))
+    dec = paged_attention(b.q[:1], kc, vc, one["block_tables"], one["seq_lens"], one["qsl"], 0.125,
+                          max_query_len=1, max_seq_len=128, block_n=16, block_m=64, **split_kw)
+    rows = slice(0, 13) if verify_batch else slice(0, 8)
+    nb = 2 if verify_batch else 1
+    ver = paged_attention(b.q[rows], kc, vc, b.block_tables[:nb], b.seq_lens[:nb], b.qsl[:nb + 1], 0.125,
+                          max_query_len=8, max_seq_len=256, block_n=16, block_m=64, **split_kw)
+    return dec[0], ver[0]
+
+
+@pytest.mark.parametrize("verify_batch", [False, True])
+def test_fixed_key_slices_give_a_row_the_same_bits_decoded_or_verified(verify_batch):
+    """The batch-invariant property of split_keys: the decoded row and the verified row agree bit for bit
+    (another bucket: twice the slices, the extra ones empty). The control: equal slices of what each step
+    sees (the default split: 3 slices of 32 keys for the decode step, of 48 for the verification step) put
+    the bounds elsewhere, and the row's sums round differently."""
+    dec, ver = _decode_and_verify_row({"split_keys": 32}, verify_batch)
+    assert torch.equal(dec, ver)
+    dec, ver = _decode_and_verify_row({"num_splits": 3}, verify_batch)
+    torch.testing.assert_close(dec, ver, atol=1e-5, rtol=1e-5)
+    assert not torch.equal(dec, ver)
+
+
+@pytest.mark.parametrize("name,seq_lens,q_lens", CASES, ids=[c[0] for c in CASES])
 def test_reference_matches_torch_backend(name, seq_lens, q_lens):
     """The engine's backend writes the new K/V and attends; write_kv + the reference (and the kernel)
     on the same batch give the same rows, the padding request included."""
