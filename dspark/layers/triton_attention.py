@@ -36,6 +36,7 @@ The DSpark drafter does not use this backend: its block pass attends over its ow
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -90,8 +91,10 @@ class TritonAttentionBackend:
         # tiles in the same slices in the same order, reduced over the same warp layout, however many rows
         # its request or the batch has (the split count and the tile sizes otherwise follow the batch's
         # shape; paged_attention's docstring says why the query tile matters too).
-        self._fixed = ({"split_keys": INVARIANT_SPLIT_KEYS, "block_n": 64, "block_m": 64} if batch_invariant
-                       else {})
+        # DSPARK_INVARIANT_ATTENTION=1 (for benchmarks): this attention without the rest of the mode (the
+        # default mode's products and fused layers), to measure what the attention alone costs and changes.
+        invariant = batch_invariant or os.environ.get("DSPARK_INVARIANT_ATTENTION") == "1"
+        self._fixed = {"split_keys": INVARIANT_SPLIT_KEYS, "block_n": 64, "block_m": 64} if invariant else {}
         try:
             from dspark.kernels import interpreter_ready
             from dspark.kernels import paged_attention as pa
