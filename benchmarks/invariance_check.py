@@ -291,6 +291,57 @@ def engine(dev) -> dict:
     return out
 
 
+def attention(dev) -> dict:
+    """Paged attention (SmolLM2's 9 / 3 heads of 64, bf16, pages of 16): one query row per request decoded
+    (batch 1 and 32) against the same row verified as the first of 8 (batch 32), bit for bit, and the time
+    of each step, for the default launch, batch-invariant mode's (fixed 128-key slices, 64-row query tile)
+    and the same slices with the row sums on the tensor cores and the default query tile (rowsum_mma)."""
+    from dspark.kernels.paged_attention import paged_attention
+    from dspark.layers.triton_attention import seq_len_hint
+
+    g = torch.Generator(device="cpu").manual_seed(2)
+    B, page, Hq, Hkv, D, N = 32, 16, 9, 3, 64, 8
+    pos = torch.randint(60, 900, (B,), generator=g)  # the decoded row's position
+    blocks = [-(-(int(p) + N) // page) for p in pos]
+    table = torch.zeros(B, max(blocks) + 1, dtype=torch.int32)
+    nxt = 1
+    for b, n in enumerate(blocks):
+        table[b, :n] = torch.arange(nxt, nxt + n)
+        nxt += n
+    kc = torch.randn(nxt, page, Hkv, D, generator=g).to(torch.bfloat16).to(dev)
+    vc = torch.randn(nxt, page, Hkv, D, generator=g).to(torch.bfloat16).to(dev)
+    table = table.to(dev)
+    qv = torch.randn(B * N, Hq, D, generator=g).to(torch.bfloat16).to(dev)
+    qd = qv[::N].contiguous()  # row 0 of each request's verification block
+    configs = {"default": {}, "pinned64": {"split_keys": 128, "block_n": 64, "block_m": 64},
+               "rowsum_mma": {"split_keys": 128, "block_n": 64, "rowsum_mma": True}}
+
+    def step(nb: int, q_per: int, kw: dict):
+        sl = (pos[:nb] + q_per).to(torch.int32).to(dev)
+        qsl = (torch.arange(nb + 1) * q_per).to(torch.int32).to(dev)
+        q = qd[:nb] if q_per == 1 else qv[: nb * N]
+        hint = seq_len_hint(int(sl.max()))
+        return lambda: paged_attention(q, kc, vc, table[:nb], sl, qsl, 0.125, max_query_len=q_per, max_seq_len=hint, **kw)
+
+    out = {}
+    for name, kw in configs.items():
+        r = {}
+        try:
+            dec32, dec1, ver32 = step(B, 1, kw)(), step(1, 1, kw)(), step(B, N, kw)()
+            r["decode32_vs_verify32_rows_differing"] = int((dec32.view(torch.int16) != ver32[::N].view(torch.int16))
+                                                           .flatten(1).any(1).sum())
+            r["decode1_vs_decode32_row0_equal"] = bool(torch.equal(dec1[0], dec32[0]))
+            r["decode1_vs_verify32_row0_equal"] = bool(torch.equal(dec1[0], ver32[0]))
+            for label, (nb, qp) in (("decode_b1", (1, 1)), ("decode_b32", (B, 1)), ("verify_b1", (1, N)),
+                                    ("verify_b32", (B, N))):
+                r[f"{label}_us"] = 1e3 * triton.testing.do_bench_cudagraph(step(nb, qp, kw), rep=20, return_mode="median")
+        except Exception as e:  # noqa: BLE001
+            r["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        out[name] = r
+        print(f"attention {name:10s} {r}", flush=True)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("out_dir")
@@ -317,6 +368,9 @@ def main() -> int:
     save()
     if "engine" in a.parts:
         res["engine"] = engine(dev)
+        save()
+    if "attention" in a.parts:
+        res["attention"] = attention(dev)
         save()
     if "timing" in a.parts:
         res["timing"] = []

@@ -118,17 +118,29 @@ def _load_paged_rows(cache_ptr, bt_row, pos, end, kvh, d, d_ok, stride_b, stride
 
 
 @triton.jit
-def _online_softmax_step(q, k, v, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr):
+def _online_softmax_step(q, k, v, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr,
+                         ROWSUM_MMA: tl.constexpr = False):
     """One K/V tile of an online softmax. q [M, D], k/v [N, D], valid [M, N]; running row max m_i
-    and sum l_i [M] (log2 domain), unnormalised output acc [M, D] fp32."""
+    and sum l_i [M] (log2 domain), unnormalised output acc [M, D] fp32.
+
+    ROWSUM_MMA: the row sums of the tile's weights are taken on the tensor cores (the weights as the P·V
+    product reads them, times a block of ones) instead of ``tl.sum``, whose order follows the tile's layout
+    over the warps, and so its row count (a 16-row decode tile, a 32-row verification tile). A product's
+    rows are summed in one order whatever the tile (docs/benchmarks.md, session 46), and the max over
+    the 16 equal columns is exact: a row's sum no longer depends on its tile."""
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     s = tl.where(valid, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet stays at 0
     alpha = tl.exp2(m_i - m_ref)
     p = tl.exp2(s - m_ref[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    pv = p.to(v.dtype)
+    if ROWSUM_MMA:
+        ones = tl.full([p.shape[1], 16], 1.0, tl.float32).to(v.dtype)  # (the interpreter has no bf16 full)
+        l_i = l_i * alpha + tl.max(tl.dot(pv, ones, input_precision=DOT_PRECISION), 1)
+    else:
+        l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
 
@@ -264,6 +276,7 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, FUSE_COMBINE: tl.constexpr, MAX_CHUNKS: tl.constexpr,
     ROPE_IN: tl.constexpr, HAS_QNORM: tl.constexpr, HAS_KNORM: tl.constexpr, SPLIT_KEYS: tl.constexpr = 0,
+    ROWSUM_MMA: tl.constexpr = False,
 ):
     """Program (b, kv head, split * q_programs + c): query chunks c, c + q_programs, ... of request b
     (BLOCK_Q query tokens × G heads each), against key slice ``split`` of what the chunk may see.
@@ -340,7 +353,7 @@ def _paged_attention_kernel(
             k, v, kv_ok = _load_paged_kv(k_cache_ptr, v_cache_ptr, bt_row, pos, hi, kvh, d, d_ok, stride_kb,
                                          stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, PAGE)
             valid = kv_ok[None, :] & (pos[None, :] <= q_pos[:, None])
-            m_i, l_i, acc = _online_softmax_step(q, k, v, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+            m_i, l_i, acc = _online_softmax_step(q, k, v, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION, ROWSUM_MMA)
 
         _store_rows(out_ptr, lse_ptr, t * stride_ot + head * stride_oh + split * stride_os,
                     t * stride_lt + head * stride_lh + split, row_ok, d, d_ok,
@@ -410,6 +423,7 @@ def paged_attention(
     max_seq_len: int | None = None,
     num_splits: int | None = None,
     split_keys: int | None = None,
+    rowsum_mma: bool = False,
     block_n: int | None = None,
     block_m: int | None = None,
     fuse_combine: bool | None = None,
@@ -443,7 +457,9 @@ def paged_attention(
     (``max_seq_len`` required), merged slice by slice (``combine_splits(ordered=True)``). A row then sums the
     same tiles in the same slices whether it is decoded alone or verified beside N others, or in a batch of
     any size: a slice past the row's keys adds exact zeros. Equal slices of what the step sees (the default)
-    move their bounds with the step's length and the split count with the batch.
+    move their bounds with the step's length and the split count with the batch. ``rowsum_mma``: the softmax
+    row sums on the tensor cores (``_online_softmax_step``'s ROWSUM_MMA), so that the query tile no longer
+    decides a row's bits and need not be pinned.
 
     ``rope``: fused_ops.rope_qk_cache in the same launch (``q`` then holds the raw queries, a strided
     view of the qkv projection is fine): a dict with ``k``, ``v`` [T, Hkv, D] (raw new keys, values),
@@ -526,6 +542,7 @@ def paged_attention(
         FUSE_COMBINE=fuse, MAX_CHUNKS=max_chunks if fuse else 1,  # a constexpr: unfused, one value, one compile
         ROPE_IN=rope is not None, HAS_QNORM=rope is not None and rope.get("q_norm") is not None,
         HAS_KNORM=rope is not None and rope.get("k_norm") is not None, SPLIT_KEYS=split_keys or 0,
+        ROWSUM_MMA=rowsum_mma,
         # fp32 RoPE products must not be contracted into FMAs (fused_ops' exactness note); in bf16/fp16 the
         # explicit roundings already keep them apart, and the attention math keeps its FMAs.
         num_warps=num_warps or 4, **({"num_stages": num_stages} if num_stages else {}),

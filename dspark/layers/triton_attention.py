@@ -92,9 +92,16 @@ class TritonAttentionBackend:
         # its request or the batch has (the split count and the tile sizes otherwise follow the batch's
         # shape; paged_attention's docstring says why the query tile matters too).
         # DSPARK_INVARIANT_ATTENTION=1 (for benchmarks): this attention without the rest of the mode (the
-        # default mode's products and fused layers), to measure what the attention alone costs and changes.
-        invariant = batch_invariant or os.environ.get("DSPARK_INVARIANT_ATTENTION") == "1"
-        self._fixed = {"split_keys": INVARIANT_SPLIT_KEYS, "block_n": 64, "block_m": 64} if invariant else {}
+        # default mode's products and fused layers), to measure what the attention alone costs and changes;
+        # =mma: the same with the row sums on the tensor cores and the query tile by the default rule
+        # (paged_attention(rowsum_mma=)), not yet measured in the engine.
+        env = os.environ.get("DSPARK_INVARIANT_ATTENTION")
+        if env == "mma":
+            self._fixed = {"split_keys": INVARIANT_SPLIT_KEYS, "block_n": 64, "rowsum_mma": True}
+        elif batch_invariant or env == "1":
+            self._fixed = {"split_keys": INVARIANT_SPLIT_KEYS, "block_n": 64, "block_m": 64}
+        else:
+            self._fixed = {}
         try:
             from dspark.kernels import interpreter_ready
             from dspark.kernels import paged_attention as pa

@@ -237,6 +237,25 @@ def _decode_and_verify_row(split_kw: dict, verify_batch: bool) -> tuple[torch.Te
     return dec[0], ver[0]
 
 
+def test_row_sums_on_the_tensor_cores_match_the_reference():
+    """rowsum_mma: the softmax row sums as a product with ones (layout-free on the GPU) give the reference's
+    outputs, with fixed slices or the default split, and a row the same bits decoded or verified (in the
+    interpreter with the query tile pinned: its numpy products may round a row by the tile's shape)."""
+    b = make_batch([6, 9, 23, 38], [1, 6, 11, 3], heads=(9, 3), head_dim=64, page=4, pad_requests=1)
+    kc, vc = written(b)
+    ref = paged_attention_ref(b.q, kc, vc, b.block_tables, b.seq_lens, b.qsl, 0.125)
+    for kw in (dict(split_keys=16, max_seq_len=64), dict(num_splits=3)):
+        out = paged_attention(b.q, kc, vc, b.block_tables, b.seq_lens, b.qsl, 0.125, max_query_len=11,
+                              block_n=8, rowsum_mma=True, **kw)
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
+    dec, ver = _decode_and_verify_row({"split_keys": 32, "rowsum_mma": True}, verify_batch=True)
+    assert torch.equal(dec, ver)
+    # half precision: the weights enter the sum as the P·V product reads them (rounded to fp16)
+    half = paged_attention(b.q.half(), kc.half(), vc.half(), b.block_tables, b.seq_lens, b.qsl, 0.125,
+                           max_query_len=11, max_seq_len=64, split_keys=16, block_n=8, rowsum_mma=True)
+    torch.testing.assert_close(half.float(), ref, atol=3e-3, rtol=3e-3)
+
+
 @pytest.mark.parametrize("verify_batch", [False, True])
 def test_fixed_key_slices_give_a_row_the_same_bits_decoded_or_verified(verify_batch):
     """The batch-invariant property of split_keys: the decoded row and the verified row agree bit for bit
