@@ -447,10 +447,10 @@ def paged_attention(
     launch (benchmarks/kernel_attention_bench.py --paged-sweep). On the GPU, when none of ``block_n`` /
     ``num_splits`` / ``num_warps`` / ``num_stages`` is given, ``PAGED_TUNING`` (``tuned_launch``) picks
     them from the query tile and the program count unless ``tuning=False``. Batch-invariant mode fixes
-    the split count and both tiles (so the table never applies there): the tile shape decides how
-    Triton lays the tile out over the warps, and so the order in which a row's softmax max and sum
-    are reduced — a one-token decode (16-row tile) and a 1 + N-token verification (32 rows) would
-    otherwise round the same row differently.
+    the key slices (``split_keys``) and both tiles (so the table never applies there): the tile shape decides
+    how Triton lays the tile out over the warps, and so the order in which a row's softmax sum is
+    reduced — a one-token decode (16-row tile) and a 1 + N-token verification (32 rows) would
+    otherwise round the same row differently (``rowsum_mma`` below removes that dependence).
 
     ``split_keys`` (batch-invariant mode; a multiple of the key tile): fixed key slices instead, slice s being
     keys [s * split_keys, (s + 1) * split_keys) whatever the step, ``ceil(max_seq_len / split_keys)`` of them

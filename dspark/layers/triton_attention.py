@@ -57,10 +57,11 @@ class TritonAttentionMetadata:
     max_seq_len: int
 
 
-# Batch-invariant mode's key slice. Until session 46 the mode did not split the key range at all, and a batch-1
-# decode step then ran 3 programs (SmolLM2's KV heads) over the whole context; slices of 128 keys give about the
-# default's split count at the bench's contexts (4-8 at 512-1,024 keys, where the default takes 8 at batch 1 and
-# 4 at batch 32). Measured in docs/benchmarks.md (session 46).
+# Batch-invariant mode's key slice. Until session 46 the mode did not split the key range at all, so a batch-1
+# decode step ran 3 programs (SmolLM2's KV heads) over the whole context. Slices of 128 keys give about the
+# default's split count at the bench's contexts: 4-8 at 512-1,024 keys, where the default takes 8 at batch 1 and
+# 4 at batch 32. Measured on an H100 (docs/benchmarks.md, session 46): plain batch 32 +6 %; batch 1 unchanged.
+# At those contexts the unsplit step was not the cost.
 INVARIANT_SPLIT_KEYS = 128
 
 
