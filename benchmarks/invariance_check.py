@@ -1,6 +1,7 @@
 """Which Triton matmul launches give bit-identical rows, and what each costs, on the GPU (batch-invariant mode).
 
-    python benchmarks/invariance_check.py OUT_DIR [--quick]
+    python benchmarks/invariance_check.py OUT_DIR [--quick] [--parts bitwise,timing,engine,attention]
+    TRITON_INTERPRET=1 python benchmarks/invariance_check.py OUT_DIR --smoke   # CPU: the script runs
 
 Batch-invariant mode (dspark/kernels/matmul.py) runs every target matmul through one tile configuration
 (64 x 64 x 64, 4 warps) so that a row's products are summed in the same order whatever the row count:
@@ -22,13 +23,17 @@ sm_90) that the CPU interpreter cannot see, so this measures it:
    (torch.matmul; the lm_head: torch.mm with out_dtype float32), the reference launch and the candidates, at
    1 - 1,024 rows.
 
-Writes OUT_DIR/invariance.json and prints both tables.
+3. attention (``--parts attention``): paged attention's decode rows against the same rows verified as the first
+   of 8, bit for bit, for the default launch, batch-invariant mode's and the tensor-core row sums
+   (``rowsum_mma``), with their times.
+
+Results: docs/benchmarks.md, session 46 (H100: all 145 launch variants and cuBLAS at 1 - 1,024 rows gave the
+fixed launch's bits). Writes OUT_DIR/invariance.json (after each part) and prints the tables.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import sys
