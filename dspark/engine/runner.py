@@ -73,13 +73,14 @@ class InflightStep:
     num_rows: int | None = None
 
 
-def make_attention_backend(name: str, device: torch.device, batch_invariant: bool = False):
+def make_attention_backend(name: str, device: torch.device, batch_invariant: bool = False,
+                           max_model_len: int | None = None):
     """The attention backend named by EngineConfig.resolved_attention_backend. Triton is imported only
     when asked for."""
     if name == "triton":
         from dspark.layers.triton_attention import TritonAttentionBackend
 
-        return TritonAttentionBackend(device, batch_invariant)
+        return TritonAttentionBackend(device, batch_invariant, max_model_len)
     return TorchAttentionBackend()
 
 
@@ -112,7 +113,8 @@ class ModelRunner:
         the target exists (the drafter shares the target's embedding and lm_head)."""
         self.config = config
         self.device = torch.device(config.device)
-        self.backend = make_attention_backend(config.resolved_attention_backend, self.device, config.batch_invariant)
+        self.backend = make_attention_backend(config.resolved_attention_backend, self.device, config.batch_invariant,
+                                              config.max_model_len)
         self.model_config = mc = loaded.config
         self.max_positions = config.max_model_len + 64  # RoPE covers every reachable position, drafts included
         self.spec = spec

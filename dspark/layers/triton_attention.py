@@ -63,6 +63,19 @@ class TritonAttentionMetadata:
 # 4 at batch 32. Measured on an H100 (docs/benchmarks.md, session 46): plain batch 32 +6 %; batch 1 unchanged.
 # At those contexts the unsplit step was not the cost.
 INVARIANT_SPLIT_KEYS = 128
+# Past 128 x 32 = 4,096 keys of max_model_len the slices grow (powers of two) so that a step has at most this many:
+# each slice of each query row takes a [head_dim] fp32 partial until the merge, and a 2,048-row prefill chunk
+# of SmolLM2 in 256 slices would hold 1.2 GB of them.
+INVARIANT_MAX_SPLITS = 32
+
+
+def invariant_split_keys(max_model_len: int | None) -> int:
+    """The key slice of batch-invariant attention for an engine of ``max_model_len`` tokens: fixed per engine, so a
+    row's slices are the same in every step (and in two engines of the same max_model_len, as plain and DSpark)."""
+    keys = INVARIANT_SPLIT_KEYS
+    while max_model_len is not None and keys * INVARIANT_MAX_SPLITS < max_model_len:
+        keys *= 2
+    return keys
 
 
 def seq_len_hint(n: int) -> int:
@@ -85,10 +98,11 @@ class TritonAttentionBackend:
     """Paged attention in Triton (see the module docstring). ``device`` is the engine's device: CUDA,
     or a CPU where Triton runs in its interpreter (tests)."""
 
-    def __init__(self, device: str | torch.device, batch_invariant: bool = False) -> None:
+    def __init__(self, device: str | torch.device, batch_invariant: bool = False,
+                 max_model_len: int | None = None) -> None:
         device = torch.device(device)
-        # Batch-invariant (EngineConfig.batch_invariant): fixed key slices (INVARIANT_SPLIT_KEYS keys each,
-        # merged in order), one key tile size and one query tile size, so a row's softmax sums the same
+        # Batch-invariant (EngineConfig.batch_invariant): fixed key slices (invariant_split_keys, merged in
+        # order), one key tile size and one query tile size, so a row's softmax sums the same
         # tiles in the same slices in the same order, reduced over the same warp layout, however many rows
         # its request or the batch has (the split count and the tile sizes otherwise follow the batch's
         # shape; paged_attention's docstring says why the query tile matters too).
@@ -97,10 +111,11 @@ class TritonAttentionBackend:
         # =mma: the same with the row sums on the tensor cores and the query tile by the default rule
         # (paged_attention(rowsum_mma=)), not yet measured in the engine.
         env = os.environ.get("DSPARK_INVARIANT_ATTENTION")
+        keys = invariant_split_keys(max_model_len)
         if env == "mma":
-            self._fixed = {"split_keys": INVARIANT_SPLIT_KEYS, "block_n": 64, "rowsum_mma": True}
+            self._fixed = {"split_keys": keys, "block_n": 64, "rowsum_mma": True}
         elif batch_invariant or env == "1":
-            self._fixed = {"split_keys": INVARIANT_SPLIT_KEYS, "block_n": 64, "block_m": 64}
+            self._fixed = {"split_keys": keys, "block_n": 64, "block_m": 64}
         else:
             self._fixed = {}
         try:

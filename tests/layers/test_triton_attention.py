@@ -194,3 +194,15 @@ def test_seq_len_hint_follows_the_graph_buckets():
     assert [seq_len_hint(n) for n in (0, 1, 512, 513, 1024, 1500, 4097)] == [512, 512, 512, 1024, 1024, 2048, 8192]
     buckets = context_buckets(8192)
     assert all(seq_len_hint(n) in buckets for n in range(1, 8193, 97))
+
+
+def test_batch_invariant_key_slices_are_fixed_per_engine():
+    """Batch-invariant attention's key slice depends on the engine's max_model_len only (so plain and DSpark
+    engines of one configuration slice alike): 128 keys up to 4,096 tokens, then at most 32 slices."""
+    from dspark.layers.triton_attention import invariant_split_keys
+
+    assert [invariant_split_keys(n) for n in (None, 512, 2048, 4096, 4097, 8192, 32768)] == [128, 128, 128, 128,
+                                                                                             256, 256, 1024]
+    fixed = TritonAttentionBackend("cpu", batch_invariant=True, max_model_len=8192)._fixed
+    assert fixed == {"split_keys": 256, "block_n": 64, "block_m": 64}
+    assert TritonAttentionBackend("cpu")._fixed == {}
