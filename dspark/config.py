@@ -96,7 +96,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # one of ATTENTION_BACKENDS; see resolved_attention_backend
     enforce_eager: bool = False  # True: no CUDA graphs (dspark/engine/cuda_graphs.py), every step eager
     # True: the target's row results do not depend on how many rows a step has (batch-invariant matmul,
-    # unsplit attention with fixed key tiles): greedy speculative output equals plain output in bf16 too.
+    # attention over fixed key slices and tiles): greedy speculative output equals plain output in bf16 too.
     batch_invariant: bool = False
     # True: with CUDA graphs (plain decoding; greedy DSpark), the next step is launched before the current
     # one's tokens are read back, so the host's bookkeeping overlaps the GPU (engine/llm_engine.py).
