@@ -27,7 +27,7 @@ sm_90) that the CPU interpreter cannot see, so this measures it:
    of 8, bit for bit, for the default launch, batch-invariant mode's and the tensor-core row sums
    (``rowsum_mma``), with their times.
 
-Results: docs/benchmarks.md, session 46 (H100: all 145 launch variants and cuBLAS at 1 - 1,024 rows gave the
+Results: docs/benchmarks.md, session 46 (H100: all 140 launch variants and cuBLAS at 1 - 1,024 rows gave the
 fixed launch's bits). Writes OUT_DIR/invariance.json (after each part) and prints the tables.
 """
 
