@@ -53,7 +53,9 @@ REF = {"BM": 64, "BN": 64, "BK": 64, "warps": 4, "stages": 3}
 @triton.jit(do_not_specialize=["M"])
 def _mm(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wk, stride_ym,
         SEG: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """y = x @ w with K summed in segments of SEG (each from zero, added in order); SEG >= K: one segment."""
+    """y = x @ w with K summed in segments of SEG (each from zero, added in order); SEG >= K: one segment, the
+    arithmetic of dspark/kernels/matmul.py's kernel (kept as its own copy so that one kernel runs every variant
+    measured here; ``engine`` runs the shipped kernel itself)."""
     pm = tl.program_id(0)
     pn = tl.program_id(1)
     rm = (pm * BM + tl.arange(0, BM)).to(tl.int64)
