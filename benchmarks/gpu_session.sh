@@ -12,6 +12,7 @@
 #   bench: `dspark bench`, the side-by-side matrix (HF static+compiled, dspark, dspark + DSpark), once per
 #          '|'-separated set of options in BENCH_ARGS;
 #   cprofile: where continuous batching's time goes, plain vs DSpark (benchmarks/gpu_continuous_profile.py);
+#   invariance: benchmarks/invariance_check.py --parts $INV_PARTS (default attention);
 #   fewrow: the few-row decoder-layer chains and their kernels' launch sweep (benchmarks/fewrow_chain_bench.py,
 #           FEWROW_ARGS, default: 8/2/16 rows, the qkv+RoPE and gate|up kernels swept).
 # STEPS picks and orders them; BACKEND (default triton) is the attention backend of the dspark runs.
@@ -28,6 +29,12 @@ DEV=${DEV:-cuda}
 FINAL_OUT=$OUT
 OUT=/tmp/gpu_session; rm -rf $OUT; mkdir -p $OUT  # packed into one archive at the end (8 files come back at most)
 T0=$SECONDS
+split_env() {  # leading VAR=value words -> ENVS, the rest -> ARGS
+  ENVS=(); ARGS=()
+  for w in "$@"; do
+    if [ ${#ARGS[@]} -eq 0 ] && [[ $w =~ ^[A-Z_][A-Z0-9_]*= ]]; then ENVS+=("$w"); else ARGS+=("$w"); fi
+  done
+}
 for step in $STEPS; do
   echo "=== $step at $((SECONDS - T0))s"
   case $step in
@@ -41,19 +48,31 @@ for step in $STEPS; do
     timeout ${GRAPHS_S:-240} python3 benchmarks/gpu_graphs_check.py "$OUT/graphs" ${GRAPHS_PARTS:-correct,steps} \
       > "$OUT/graphs.log" 2>&1; echo "graphs rc=$?"; grep -v "^ " "$OUT/graphs.log" | tail -n 30 ;;
   correctness)  # HF's pass (one prompt per generate, the exact default) alone outlasted 200 and 240 s in session 43;
-    # CORRECT_ARGS="--hf-batch-size 16" (left padding) took 37.5 s in session 44, the whole step 86 s
-    timeout ${CORRECT_S:-420} python3 -m dspark.cli bench correctness --device $DEV --attention-backend ${BACKEND:-triton} \
-      --prompt-source /tmp/sharegpt_prompts.json.gz --out "$OUT/correctness.json" ${CORRECT_ARGS:-} > "$OUT/correctness.log" 2>&1
-    echo "correctness rc=$?"; tail -n 25 "$OUT/correctness.log" ;;
-  bench)  # BENCH_ARGS: one set of options, or several separated by '|' (one process each: bench_1, ...)
+    # CORRECT_ARGS="--hf-batch-size 16" (left padding) took 37.5 s in session 44, the whole step 86 s.
+    # CORRECT_ARGS, like BENCH_ARGS: one set or several separated by '|', each may start with VAR=value settings
+    i=0; IFS='|' read -ra SETS <<< "${CORRECT_ARGS:-}"; [ ${#SETS[@]} -eq 0 ] && SETS=("")
+    for args in "${SETS[@]}"; do
+      i=$((i + 1)); name=correctness; [ ${#SETS[@]} -gt 1 ] && name=correctness_$i
+      split_env $args
+      env "${ENVS[@]}" timeout ${CORRECT_S:-420} python3 -m dspark.cli bench correctness --device $DEV \
+        --attention-backend ${BACKEND:-triton} --prompt-source /tmp/sharegpt_prompts.json.gz --out "$OUT/$name.json" \
+        "${ARGS[@]}" > "$OUT/$name.log" 2>&1
+      echo "$name rc=$? ($args)"; tail -n 25 "$OUT/$name.log"
+    done ;;
+  bench)  # BENCH_ARGS: one set of options, or several separated by '|' (one process each: bench_1, ...); a set
+    # may start with VAR=value settings for its process alone, e.g. 'DSPARK_INVARIANT_ATTENTION=mma --runs 3'
     i=0; IFS='|' read -ra SETS <<< "${BENCH_ARGS:-}"; [ ${#SETS[@]} -eq 0 ] && SETS=("")
     for args in "${SETS[@]}"; do
       i=$((i + 1)); name=bench; [ ${#SETS[@]} -gt 1 ] && name=bench_$i
-      timeout ${BENCH_S:-300} python3 -m dspark.cli bench --device $DEV --attention-backend ${BACKEND:-triton} \
+      split_env $args
+      env "${ENVS[@]}" timeout ${BENCH_S:-300} python3 -m dspark.cli bench --device $DEV --attention-backend ${BACKEND:-triton} \
         --prompt-source /tmp/sharegpt_prompts.json.gz --json "$OUT/$name.json" --plot-dir "$OUT/plots_$name" \
-        $args > "$OUT/$name.log" 2>&1
+        "${ARGS[@]}" > "$OUT/$name.log" 2>&1
       echo "$name rc=$? ($args)"; tail -n 25 "$OUT/$name.log"
     done ;;
+  invariance)  # which launches change a row's bits (benchmarks/invariance_check.py; INV_PARTS, default attention)
+    timeout ${INV_S:-200} python3 benchmarks/invariance_check.py "$OUT/inv" --parts ${INV_PARTS:-attention} \
+      > "$OUT/invariance.log" 2>&1; echo "invariance rc=$?"; grep -v Warning "$OUT/invariance.log" | tail -n 12 ;;
   cprofile)
     timeout ${CPROF_S:-300} python3 benchmarks/gpu_continuous_profile.py "$OUT/cprofile" \
       --prompt-source /tmp/sharegpt_prompts.json.gz ${CPROF_ARGS:-} > "$OUT/cprofile.log" 2>&1
