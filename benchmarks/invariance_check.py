@@ -298,7 +298,7 @@ def engine(dev) -> dict:
     return out
 
 
-def attention(dev) -> dict:
+def attention(dev, sweep: bool = False) -> dict:
     """Paged attention (SmolLM2's 9 / 3 heads of 64, bf16, pages of 16): one query row per request decoded
     (batch 1 and 32) against the same row verified as the first of 8 (batch 32), bit for bit, and the time
     of each step, for the default launch, batch-invariant mode's (fixed 128-key slices, 64-row query tile)
@@ -321,7 +321,18 @@ def attention(dev) -> dict:
     qv = torch.randn(B * N, Hq, D, generator=g).to(torch.bfloat16).to(dev)
     qd = qv[::N].contiguous()  # row 0 of each request's verification block
     configs = {"default": {}, "pinned64": {"split_keys": 128, "block_n": 64, "block_m": 64},
-               "rowsum_mma": {"split_keys": 128, "block_n": 64, "rowsum_mma": True}}
+               "rowsum_mma": {"split_keys": 128, "block_n": 64, "rowsum_mma": True},
+               # what each part costs: the default launch with the row sums on the tensor cores; the fixed
+               # slices with the default query tile and tl.sum (not invariant)
+               "default+mma": {"rowsum_mma": True}, "slices_only": {"split_keys": 128, "block_n": 64}}
+    if sweep:  # rowsum_mma's free launch parameters (warps, stages, the merge in the launch) and its slice size,
+        # each compared bit for bit with rowsum_mma at the same slice size
+        for sk in (64, 128):
+            for w in (1, 2, 4, 8):
+                for st in (1, 2, 3, 4):
+                    configs[f"mma_k{sk}_w{w}_s{st}"] = {"split_keys": sk, "block_n": 64, "rowsum_mma": True,
+                                                        "num_warps": w, "num_stages": st}
+            configs[f"mma_k{sk}_fused"] = {"split_keys": sk, "block_n": 64, "rowsum_mma": True, "fuse_combine": True}
 
     def step(nb: int, q_per: int, kw: dict):
         sl = (pos[:nb] + q_per).to(torch.int32).to(dev)
@@ -331,10 +342,15 @@ def attention(dev) -> dict:
         return lambda: paged_attention(q, kc, vc, table[:nb], sl, qsl, 0.125, max_query_len=q_per, max_seq_len=hint, **kw)
 
     out = {}
+    refs = {}  # split_keys -> the first rowsum_mma launch's verified rows
     for name, kw in configs.items():
         r = {}
         try:
             dec32, dec1, ver32 = step(B, 1, kw)(), step(1, 1, kw)(), step(B, N, kw)()
+            if kw.get("rowsum_mma") and "split_keys" in kw:
+                ref = refs.setdefault(kw["split_keys"], ver32)
+                r["verify32_vs_group_ref_rows_differing"] = int((ref.view(torch.int16) != ver32.view(torch.int16))
+                                                                .flatten(1).any(1).sum())
             r["decode32_vs_verify32_rows_differing"] = int((dec32.view(torch.int16) != ver32[::N].view(torch.int16))
                                                            .flatten(1).any(1).sum())
             r["decode1_vs_decode32_row0_equal"] = bool(torch.equal(dec1[0], dec32[0]))
@@ -353,6 +369,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("out_dir")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="attention: sweep rowsum_mma's warps, stages, slices")
     ap.add_argument("--parts", default="bitwise,timing")
     ap.add_argument("--smoke", action="store_true", help="small shapes, bitwise only, on the CPU (TRITON_INTERPRET=1)")
     a = ap.parse_args()
@@ -377,7 +394,7 @@ def main() -> int:
         res["engine"] = engine(dev)
         save()
     if "attention" in a.parts:
-        res["attention"] = attention(dev)
+        res["attention"] = attention(dev, a.sweep)
         save()
     if "timing" in a.parts:
         res["timing"] = []

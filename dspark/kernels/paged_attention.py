@@ -496,7 +496,9 @@ def paged_attention(
         if max_seq_len is None or num_splits is not None or block_n is None or split_keys % block_n:
             raise ValueError(f"split_keys ({split_keys}) needs max_seq_len, a block_n dividing it and no num_splits")
         num_splits = max(1, -(-max_seq_len // split_keys))
-        fuse_combine = False
+        fuse_combine = bool(fuse_combine)  # off unless asked: FUSE_COMBINE's merge is in slice order too
+    if split_keys is not None and rowsum_mma and q.is_cuda and num_warps is None and num_stages is None:
+        num_warps, num_stages = invariant_attention_launch(block_m, B * Hkv * q_programs * num_splits, sm_count(q.device))
     if tuning and block_n is None and num_splits is None and num_warps is None and num_stages is None:
         tuned = tuned_launch(block_m, B * Hkv * q_programs, max_seq_len, sm_count(q.device) if q.is_cuda else None)
         block_n, num_splits, num_stages = tuned.get("block_n"), tuned.get("num_splits"), tuned.get("num_stages")
@@ -583,6 +585,18 @@ def tuned_launch(block_m: int, num_programs: int, max_seq_len: int | None, sms: 
     return {"block_n": 64, "num_stages": 3, "num_splits": splits}
 
 
+def invariant_attention_launch(block_m: int, num_programs: int, sms: int) -> tuple[int, int]:
+    """(num_warps, num_stages) of the invariant attention (fixed key slices, 64-key tiles, ``rowsum_mma``), whose
+    rows do not depend on either: on an H100 every one of 16 warp/stage pairs (1-8 warps, 1-4 stages) gave the
+    same bits for every row at 64- and 128-key slices (benchmarks/invariance_check.py --parts attention --sweep,
+    docs/benchmarks.md session 47). So they follow the step: one stage (a slice is one or two key tiles), 4 warps,
+    but 2 for verification tiles (32 rows) over more than 4 programs per SM, which were 14 % faster at batch 32
+    (16.8 against 19.5 µs, 64-key slices, 1k context); decode tiles (16 rows) were fastest with 4 at both batches."""
+    if block_m == 32 and num_programs > 4 * sms:
+        return 2, 1
+    return 4, (1 if block_m <= 32 else None)
+
+
 # The split merge inside the attention launch (one launch per layer instead of two: at batch 1 on an
 # H200 a step is launch-bound, see docs/benchmarks.md). Module-level so benchmarks can compare.
 FUSE_COMBINE = False  # measured slower on the H200 (see docs/benchmarks.md, session 11): off by default
@@ -661,5 +675,5 @@ def paged_attention_ref(
     return out
 
 
-__all__ = ["paged_attention", "paged_attention_ref", "tuned_launch", "PAGED_TUNING", "write_kv", "combine_splits", "check_device", "LOG2E"]
+__all__ = ["paged_attention", "paged_attention_ref", "tuned_launch", "invariant_attention_launch", "PAGED_TUNING", "write_kv", "combine_splits", "check_device", "LOG2E"]
 

@@ -57,16 +57,17 @@ class TritonAttentionMetadata:
     max_seq_len: int
 
 
-# Batch-invariant mode's key slice. Until session 46 the mode did not split the key range at all, so a batch-1
-# decode step ran 3 programs (SmolLM2's KV heads) over the whole context. Slices of 128 keys give about the
-# default's split count at the bench's contexts: 4-8 at 512-1,024 keys, where the default takes 8 at batch 1 and
-# 4 at batch 32. Measured on an H100 (docs/benchmarks.md, session 46): plain batch 32 +6 %; batch 1 unchanged.
-# At those contexts the unsplit step was not the cost.
-INVARIANT_SPLIT_KEYS = 128
-# Past 128 x 32 = 4,096 keys of max_model_len the slices grow (powers of two) so that a step has at most this many:
-# each slice of each query row takes a [head_dim] fp32 partial until the merge, and a 2,048-row prefill chunk
-# of SmolLM2 in 256 slices would hold 1.2 GB of them.
-INVARIANT_MAX_SPLITS = 32
+# The invariant attention's key slice (TritonAttentionBackend). Until session 46 batch-invariant mode did not split
+# the key range at all, so a batch-1 decode step ran 3 programs (SmolLM2's KV heads) over the whole context; session
+# 46 took 128-key slices. Session 47 (H100, benchmarks/invariance_check.py --sweep, 1k context) measured 64: a slice
+# is one key tile, and batch-1 decode / verification attention took 4.6-4.7 / 5.3 µs per layer against the tuned
+# default's 4.9 / 6.3 (128-key slices: 5.7-5.9 / 6.5), batch 32 10.9 / 16.8 against 10.0 / 15.4 (128: 9.3 / 15.1).
+INVARIANT_SPLIT_KEYS = 64
+# Past 64 x 64 = 4,096 keys of max_model_len the slices grow (powers of two) so that a step has at most this many:
+# each slice of each query row takes a [head_dim] fp32 partial until the merge. A 2,048-row prefill chunk of
+# SmolLM2 at 8k context holds 0.3 GB of them in 64 slices (1.2 GB in 256). SmolLM2's default max_model_len, 8,192,
+# gets 128-key slices: 0.8-1 µs per layer slower than the tuned default at batch-1 decode (the sweep above).
+INVARIANT_MAX_SPLITS = 64
 
 
 def invariant_split_keys(max_model_len: int | None) -> int:
@@ -101,21 +102,24 @@ class TritonAttentionBackend:
     def __init__(self, device: str | torch.device, batch_invariant: bool = False,
                  max_model_len: int | None = None) -> None:
         device = torch.device(device)
-        # Batch-invariant (EngineConfig.batch_invariant): fixed key slices (invariant_split_keys, merged in
-        # order), one key tile size and one query tile size, so a row's softmax sums the same
-        # tiles in the same slices in the same order, reduced over the same warp layout, however many rows
-        # its request or the batch has (the split count and the tile sizes otherwise follow the batch's
-        # shape; paged_attention's docstring says why the query tile matters too).
-        # DSPARK_INVARIANT_ATTENTION=1 (for benchmarks): this attention without the rest of the mode (the
-        # default mode's products and fused layers), to measure what the attention alone costs and changes;
-        # =mma: the same with the row sums on the tensor cores and the query tile by the default rule
-        # (paged_attention(rowsum_mma=)), not yet measured in the engine.
-        env = os.environ.get("DSPARK_INVARIANT_ATTENTION")
+        # The attention is batch-invariant in both modes on CUDA (session 47): fixed key slices
+        # (invariant_split_keys, merged in order), one key tile (64 keys) and the softmax row sums on the tensor
+        # cores (paged_attention(rowsum_mma=)), so that a row sums the same tiles in the same slices in the same
+        # order however many rows its request or the batch has. The query tile, the warps and the stages then
+        # do not change a row's bits (measured on an H100: docs/benchmarks.md, session 47) and follow the step
+        # (invariant_attention_launch). With it a greedy DSpark step verifies the very logits plain decoding
+        # computes, up to the products (the default mode's few-row and GEMV paths differ at batch 1; cuBLAS does
+        # not vary with the row count here, session 46), at no cost in speed at batch 1 (the slices replace the
+        # tuned split of before, which moved its bounds with the batch and the step's length).
+        # DSPARK_INVARIANT_ATTENTION=0 (for benchmarks, default mode only): the tuned launch of before.
+        # Off CUDA (Triton's interpreter, tests): the default mode keeps the plain launch (the interpreter's numpy
+        # products may round a row by its tile's shape, and more programs cost CI time); batch-invariant mode
+        # pins the query tile at 64 rows there.
         keys = invariant_split_keys(max_model_len)
-        if env == "mma":
+        if batch_invariant or (device.type == "cuda" and os.environ.get("DSPARK_INVARIANT_ATTENTION") != "0"):
             self._fixed = {"split_keys": keys, "block_n": 64, "rowsum_mma": True}
-        elif batch_invariant or env == "1":
-            self._fixed = {"split_keys": keys, "block_n": 64, "block_m": 64}
+            if device.type != "cuda":
+                self._fixed["block_m"] = 64
         else:
             self._fixed = {}
         try:
