@@ -324,7 +324,10 @@ def attention(dev, sweep: bool = False) -> dict:
                "rowsum_mma": {"split_keys": 128, "block_n": 64, "rowsum_mma": True},
                # what each part costs: the default launch with the row sums on the tensor cores; the fixed
                # slices with the default query tile and tl.sum (not invariant)
-               "default+mma": {"rowsum_mma": True}, "slices_only": {"split_keys": 128, "block_n": 64}}
+               "default+mma": {"rowsum_mma": True}, "slices_only": {"split_keys": 128, "block_n": 64},
+               # the engine's invariant attention (session 47): its warps and stages by invariant_attention_launch
+               "engine_k64": {"split_keys": 64, "block_n": 64, "rowsum_mma": True},
+               "engine_k128": {"split_keys": 128, "block_n": 64, "rowsum_mma": True}}
     if sweep:  # rowsum_mma's free launch parameters (warps, stages, the merge in the launch) and its slice size,
         # each compared bit for bit with rowsum_mma at the same slice size
         for sk in (64, 128):
