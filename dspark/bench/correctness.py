@@ -8,7 +8,8 @@ for HF ``generate``), so outputs are compared over their full length:
                 --enforce-eager, prefix caching, ...);
   hf            HF transformers ``generate`` (eager, dynamic cache) on the same weights in the engine's
                 dtype (dspark.bench.decode._hf_model, as ``dspark bench`` uses).
-Two pairs are checked per prompt: spec vs plain (greedy speculation is lossless, so any difference is
+Two pairs are checked per prompt (three with ``--hf-control-batch-size``: HF against itself at another batch
+size, the yardstick for the second): spec vs plain (greedy speculation is lossless, so any difference is
 numerics: the verification forward batches K+1 tokens per request where plain decode runs one, and bf16
 rounding differs between those shapes) and plain vs HF (different kernels). A pair passes when at least
 ``--threshold`` (95 %) of the prompts are identical token for token.
@@ -57,6 +58,8 @@ from dspark.bench.common import add_prompt_source_args, run_header
 PAIRS = {  # name -> (system a, system b, label)
     "spec_vs_plain": ("dspark_spec", "dspark_plain", "dspark + DSpark vs dspark (no spec)"),
     "plain_vs_hf": ("dspark_plain", "hf", "dspark (no spec) vs HF transformers"),
+    # --hf-control-batch-size: HF against itself at another batch size (a yardstick, not a floor)
+    "hf_vs_hf": ("hf", "hf_control", "HF vs HF at another batch size"),
 }
 DEVICE_DEFAULTS = {
     "cuda": dict(num_prompts=64, max_tokens=128, max_prompt_tokens=1024),
@@ -88,6 +91,10 @@ def add_bench_correctness_parser(bench_subparsers: Any,
     p.add_argument("--hf-batch-size", type=int, default=1,
                    help="prompts per HF generate call; > 1 left-pads, which changes bf16 numerics (default: 1)")
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers comparison")
+    p.add_argument("--hf-control-batch-size", type=int, default=0,
+                   help="also run HF a second time at this batch size and compare HF with itself: what the batch "
+                        "shape and left padding alone do to HF's greedy output in the engine dtype, the yardstick "
+                        "for the dspark vs HF pair (0: off)")
     p.add_argument("--threshold", type=float, default=0.95,
                    help="fraction of identical prompts a pair needs to pass (default: 0.95)")
     p.add_argument("--near-tie-gap", type=float, default=0.5,
@@ -157,7 +164,7 @@ def format_report(res: dict) -> str:
     lines = [f"{'pair':<40}{'identical':>11}{'fraction':>10}{'need':>7}  result"]
     lines.append("-" * len(lines[0]))
     for pair, s in res["summary"].items():
-        if s is None:
+        if s is None or not s["compared"]:
             lines.append(f"{PAIRS[pair][2]:<40}{'skipped':>11}")
             continue
         frac = s["fraction_identical"]
@@ -196,6 +203,8 @@ def run_bench_correctness(a: argparse.Namespace) -> int:
     max_prompt_tokens = a.max_prompt_tokens or defaults["max_prompt_tokens"]
     if num_prompts < 1 or max_tokens < 1 or a.hf_batch_size < 1 or not 0 < a.threshold <= 1:
         raise ValueError("need --num-prompts, --max-tokens, --hf-batch-size >= 1 and 0 < --threshold <= 1")
+    if a.hf_control_batch_size < 0 or (a.hf_control_batch_size and a.no_hf):
+        raise ValueError("--hf-control-batch-size must be >= 0 (0: off) and needs HF (not with --no-hf)")
     out_path = Path(a.out or f"out/bench_correctness_{kind}.json")
     texts = prompt_texts(a.prompts, a.prompt_source)  # errors before any loading
 
@@ -247,9 +256,12 @@ def run_bench_correctness(a: argparse.Namespace) -> int:
     if hf is not None:
         pad = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else 0
         hfs = HFSystem(hf, "eager", device, pad)
-        B = a.hf_batch_size
-        timed("hf", lambda: [ids for i in range(0, len(prompts), B)
-                             for ids in hfs.run(prompts[i:i + B], 0.0, max_tokens).token_ids])
+        def run_hf(B: int) -> list[list[int]]:
+            return [ids for i in range(0, len(prompts), B) for ids in hfs.run(prompts[i:i + B], 0.0, max_tokens).token_ids]
+
+        timed("hf", lambda: run_hf(a.hf_batch_size))
+        if a.hf_control_batch_size:
+            timed("hf_control", lambda: run_hf(a.hf_control_batch_size))
     for name, outs in outputs.items():
         short = [i for i, o in enumerate(outs) if len(o) != max_tokens]
         if short:  # not expected (EOS is ignored on every side); compared up to the shorter output then
@@ -295,7 +307,8 @@ def run_bench_correctness(a: argparse.Namespace) -> int:
         "max_tokens": max_tokens,
         "fixed_length": all(len(o) == max_tokens for outs in outputs.values() for o in outs),
         "hf": None if hf is None else {"mode": "eager", "batch_size": a.hf_batch_size,
-                                       "left_padding": a.hf_batch_size > 1, "dtype": str(hf.dtype)},
+                                       "left_padding": a.hf_batch_size > 1, "dtype": str(hf.dtype)}
+        | ({"control_batch_size": a.hf_control_batch_size} if a.hf_control_batch_size else {}),
         "reference": "HF model upcast to float32 (engine-dtype weights, fp32 compute), one forward on prompt + "
                      "common prefix per divergence, fp32 logits of the last row",
         "near_tie_gap": a.near_tie_gap,

@@ -19,25 +19,29 @@ from dspark.drafters import shipped_drafter
 def test_cli_correctness_on_the_default_model_cpu_fp32(tmp_path, one_thread, capsys):
     out = tmp_path / "correctness.json"
     rc = main(["bench", "correctness", "--device", "cpu", "--kv-cache-memory-gb", "0.05", "--prompts", "code",
-               "--num-prompts", "2", "--max-tokens", "8", "--out", str(out)])
+               "--num-prompts", "2", "--max-tokens", "8", "--hf-control-batch-size", "2", "--out", str(out)])
     assert rc == 0
     stdout = capsys.readouterr().out
     res = json.loads(out.read_text())
     assert res["model"] == "smollm2-135m-instruct" and res["device"] == "cpu" and res["dtype"] == "torch.float32"
     assert res["num_prompts"] == 2 and res["max_tokens"] == 8 and res["fixed_length"] is True
     assert res["speculative_config"]["num_spec_tokens"] >= 1
-    assert res["hf"] == {"mode": "eager", "batch_size": 1, "left_padding": False, "dtype": "torch.float32"}
+    assert res["hf"] == {"mode": "eager", "batch_size": 1, "left_padding": False, "dtype": "torch.float32",
+                         "control_batch_size": 2}
     assert set(res["summary"]) == set(PAIRS) and len(res["records"]) == 2
     for i, r in enumerate(res["records"]):
         assert r["index"] == i and r["prompt_tokens"] > 0 and r["prompt"]
-        assert set(r["tokens"]) == {"dspark_plain", "dspark_spec", "hf"}
+        assert set(r["tokens"]) == {"dspark_plain", "dspark_spec", "hf", "hf_control"}
         assert all(len(t) == 8 for t in r["tokens"].values())
         # greedy speculation is lossless: in fp32 on the CPU DSpark generates exactly what dspark does without it
         assert r["spec_vs_plain"]["identical"] and r["tokens"]["dspark_spec"] == r["tokens"]["dspark_plain"]
         assert r["plain_vs_hf"]["identical"] == (r["tokens"]["dspark_plain"] == r["tokens"]["hf"])
+        # HF batched with left padding (the two code prompts differ in length) = HF alone, in fp32
+        assert r["hf_vs_hf"]["identical"] and r["tokens"]["hf_control"] == r["tokens"]["hf"]
     s = res["summary"]["spec_vs_plain"]
     assert s["compared"] == 2 and s["identical"] == 2 and s["fraction_identical"] == 1.0 and s["passed"] is True
-    assert res["summary"]["plain_vs_hf"]["compared"] == 2
+    assert res["summary"]["plain_vs_hf"]["compared"] == 2 and res["summary"]["hf_vs_hf"]["identical"] == 2
+    assert res["records"][0]["prompt_tokens"] != res["records"][1]["prompt_tokens"]  # so the control pads
     assert "dspark + DSpark vs dspark (no spec): 2/2 identical (100.0%), meets the 95% threshold" in stdout
 
 
