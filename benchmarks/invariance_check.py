@@ -336,6 +336,10 @@ def attention(dev, sweep: bool = False) -> dict:
                     configs[f"mma_k{sk}_w{w}_s{st}"] = {"split_keys": sk, "block_n": 64, "rowsum_mma": True,
                                                         "num_warps": w, "num_stages": st}
             configs[f"mma_k{sk}_fused"] = {"split_keys": sk, "block_n": 64, "rowsum_mma": True, "fuse_combine": True}
+            for spp in (2, 4):  # several slices per program (each into its own partial): fewer programs
+                for w in (2, 4):
+                    configs[f"mma_k{sk}_w{w}_s1_spp{spp}"] = {"split_keys": sk, "block_n": 64, "rowsum_mma": True,
+                                                              "num_warps": w, "num_stages": 1, "slices_per_program": spp}
 
     def step(nb: int, q_per: int, kw: dict):
         sl = (pos[:nb] + q_per).to(torch.int32).to(dev)

@@ -276,7 +276,7 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, FUSE_COMBINE: tl.constexpr, MAX_CHUNKS: tl.constexpr,
     ROPE_IN: tl.constexpr, HAS_QNORM: tl.constexpr, HAS_KNORM: tl.constexpr, SPLIT_KEYS: tl.constexpr = 0,
-    ROWSUM_MMA: tl.constexpr = False,
+    ROWSUM_MMA: tl.constexpr = False, SLICES_PER_PROGRAM: tl.constexpr = 1,
 ):
     """Program (b, kv head, split * q_programs + c): query chunks c, c + q_programs, ... of request b
     (BLOCK_Q query tokens × G heads each), against key slice ``split`` of what the chunk may see.
@@ -286,11 +286,15 @@ def _paged_attention_kernel(
     the program applies the optional per-head norm and RoPE to its query rows itself, and first
     writes the rotated K and the V of the step's new tokens that fall in its own key slice, for its
     own KV head, into the cache (each program reads only old keys and keys it wrote itself, after a
-    barrier; a slice shared by several query chunks is written by each of them, with the same values)."""
+    barrier; a slice shared by several query chunks is written by each of them, with the same values).
+    SLICES_PER_PROGRAM (fixed slices only, no FUSE_COMBINE): the program takes that many consecutive slices one
+    after the other, each from a fresh softmax state into its own partial, so a row's bits do not change, only
+    the program count (fewer, longer programs where the batch already fills the GPU)."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
-    split = tl.program_id(2) % NUM_SPLITS
-    qc = tl.program_id(2) // NUM_SPLITS
+    NUM_GROUPS: tl.constexpr = (NUM_SPLITS + SLICES_PER_PROGRAM - 1) // SLICES_PER_PROGRAM
+    group = tl.program_id(2) % NUM_GROUPS
+    qc = tl.program_id(2) // NUM_GROUPS
     q_start = tl.load(query_start_loc_ptr + b).to(tl.int64)
     n_q = tl.load(query_start_loc_ptr + b + 1).to(tl.int64) - q_start
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int64)
@@ -316,53 +320,56 @@ def _paged_attention_kernel(
         else:
             q = tl.load(q_ptr + t[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                         mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-        # The chunk's last query sees keys < kv_end; this program takes one slice of [0, kv_end).
+        # The chunk's last query sees keys < kv_end; this program takes one slice of [0, kv_end) (or
+        # SLICES_PER_PROGRAM fixed ones).
         kv_end = tl.minimum(seq_len, ctx_len + c0 + BLOCK_Q)
-        if SPLIT_KEYS > 0:  # fixed slices [s * SPLIT_KEYS, (s + 1) * SPLIT_KEYS), the last one to the end
-            lo = split * SPLIT_KEYS
-            hi = tl.where(split == NUM_SPLITS - 1, kv_end, tl.minimum(lo + SPLIT_KEYS, kv_end))
-        else:  # NUM_SPLITS equal slices of what this chunk sees
-            split_len = ((kv_end + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-            lo = split * split_len
-            hi = tl.minimum(lo + split_len, kv_end)
-        if ROPE_IN:  # the new tokens' K (rotated) and V of this slice, this KV head, into the cache
-            for p0 in range(tl.maximum(lo, ctx_len), hi, BLOCK_N):
-                p = p0 + n
-                p_ok = p < hi
-                tk = q_start + (p - ctx_len)
-                slot = tl.load(slot_ptr + tk, mask=p_ok, other=-1).to(tl.int64)
-                w_ok = p_ok & (slot >= 0)
-                kp = tl.load(pos_ptr + tk, mask=p_ok, other=0).to(tl.int64)
-                kx = _rope_rows(k_new_ptr + tk[:, None] * sk_t + kvh * sk_h, kp, p_ok, d,
-                                cos_ptr, sin_ptr, stride_cs, kn_ptr, eps, HAS_KNORM, HEAD_DIM)
-                blk = slot // PAGE
-                cache_k = blk * stride_kb + (slot % PAGE) * stride_kt + kvh * stride_kh
-                cache_v = blk * stride_vb + (slot % PAGE) * stride_vt + kvh * stride_vh
-                tl.store(k_cache_ptr + cache_k[:, None] + d[None, :],
-                         cast_rtne(kx.to(tl.float32), k_cache_ptr.dtype.element_ty), mask=w_ok[:, None])
-                vx = tl.load(v_new_ptr + tk[:, None] * sv_t + kvh * sv_h + d[None, :], mask=w_ok[:, None], other=0.0)
-                tl.store(v_cache_ptr + cache_v[:, None] + d[None, :],
-                         cast_rtne(vx.to(tl.float32), v_cache_ptr.dtype.element_ty), mask=w_ok[:, None])
-            tl.debug_barrier()  # this program's cache writes before its reads of them
+        for si in range(SLICES_PER_PROGRAM):  # a loop, not unrolled: one slice's registers
+            split = group * SLICES_PER_PROGRAM + si
+            if SPLIT_KEYS > 0:  # fixed slices [s * SPLIT_KEYS, (s + 1) * SPLIT_KEYS), the last one to the end
+                lo = split * SPLIT_KEYS
+                hi = tl.where(split == NUM_SPLITS - 1, kv_end, tl.minimum(lo + SPLIT_KEYS, kv_end))
+            else:  # NUM_SPLITS equal slices of what this chunk sees
+                split_len = ((kv_end + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+                lo = split * split_len
+                hi = tl.minimum(lo + split_len, kv_end)
+            if ROPE_IN:  # the new tokens' K (rotated) and V of this slice, this KV head, into the cache
+                for p0 in range(tl.maximum(lo, ctx_len), hi, BLOCK_N):
+                    p = p0 + n
+                    p_ok = p < hi
+                    tk = q_start + (p - ctx_len)
+                    slot = tl.load(slot_ptr + tk, mask=p_ok, other=-1).to(tl.int64)
+                    w_ok = p_ok & (slot >= 0)
+                    kp = tl.load(pos_ptr + tk, mask=p_ok, other=0).to(tl.int64)
+                    kx = _rope_rows(k_new_ptr + tk[:, None] * sk_t + kvh * sk_h, kp, p_ok, d,
+                                    cos_ptr, sin_ptr, stride_cs, kn_ptr, eps, HAS_KNORM, HEAD_DIM)
+                    blk = slot // PAGE
+                    cache_k = blk * stride_kb + (slot % PAGE) * stride_kt + kvh * stride_kh
+                    cache_v = blk * stride_vb + (slot % PAGE) * stride_vt + kvh * stride_vh
+                    tl.store(k_cache_ptr + cache_k[:, None] + d[None, :],
+                             cast_rtne(kx.to(tl.float32), k_cache_ptr.dtype.element_ty), mask=w_ok[:, None])
+                    vx = tl.load(v_new_ptr + tk[:, None] * sv_t + kvh * sv_h + d[None, :], mask=w_ok[:, None], other=0.0)
+                    tl.store(v_cache_ptr + cache_v[:, None] + d[None, :],
+                             cast_rtne(vx.to(tl.float32), v_cache_ptr.dtype.element_ty), mask=w_ok[:, None])
+                tl.debug_barrier()  # this program's cache writes before its reads of them
 
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.full([BLOCK_M], 0.0, tl.float32)
-        acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
-        for n0 in range(lo, hi, BLOCK_N):
-            pos = n0 + n
-            k, v, kv_ok = _load_paged_kv(k_cache_ptr, v_cache_ptr, bt_row, pos, hi, kvh, d, d_ok, stride_kb,
-                                         stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, PAGE)
-            valid = kv_ok[None, :] & (pos[None, :] <= q_pos[:, None])
-            m_i, l_i, acc = _online_softmax_step(q, k, v, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION, ROWSUM_MMA)
+            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_i = tl.full([BLOCK_M], 0.0, tl.float32)
+            acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
+            for n0 in range(lo, hi, BLOCK_N):
+                pos = n0 + n
+                k, v, kv_ok = _load_paged_kv(k_cache_ptr, v_cache_ptr, bt_row, pos, hi, kvh, d, d_ok, stride_kb,
+                                             stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, PAGE)
+                valid = kv_ok[None, :] & (pos[None, :] <= q_pos[:, None])
+                m_i, l_i, acc = _online_softmax_step(q, k, v, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION, ROWSUM_MMA)
 
-        _store_rows(out_ptr, lse_ptr, t * stride_ot + head * stride_oh + split * stride_os,
-                    t * stride_lt + head * stride_lh + split, row_ok, d, d_ok,
-                    m_i, l_i, acc, no_sink, NUM_SPLITS)
-        if FUSE_COMBINE:
-            cnt = counter_ptr + (b.to(tl.int64) * tl.num_programs(1) + kvh) * MAX_CHUNKS + c0 // BLOCK_Q
-            _combine_in_last_program(out_ptr, lse_ptr, final_ptr, cnt, t, head, row_ok, d, d_ok,
-                                     stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_ft, stride_fh,
-                                     NUM_SPLITS)
+            _store_rows(out_ptr, lse_ptr, t * stride_ot + head * stride_oh + split * stride_os,
+                        t * stride_lt + head * stride_lh + split, row_ok, d, d_ok,
+                        m_i, l_i, acc, no_sink, NUM_SPLITS)
+            if FUSE_COMBINE:
+                cnt = counter_ptr + (b.to(tl.int64) * tl.num_programs(1) + kvh) * MAX_CHUNKS + c0 // BLOCK_Q
+                _combine_in_last_program(out_ptr, lse_ptr, final_ptr, cnt, t, head, row_ok, d, d_ok,
+                                         stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_ft, stride_fh,
+                                         NUM_SPLITS)
 
 
 @triton.jit
@@ -424,6 +431,7 @@ def paged_attention(
     num_splits: int | None = None,
     split_keys: int | None = None,
     rowsum_mma: bool = False,
+    slices_per_program: int | None = None,
     block_n: int | None = None,
     block_m: int | None = None,
     fuse_combine: bool | None = None,
@@ -459,7 +467,9 @@ def paged_attention(
     any size: a slice past the row's keys adds exact zeros. Equal slices of what the step sees (the default)
     move their bounds with the step's length and the split count with the batch. ``rowsum_mma``: the softmax
     row sums on the tensor cores (``_online_softmax_step``'s ROWSUM_MMA), so that the query tile no longer
-    decides a row's bits and need not be pinned.
+    decides a row's bits and need not be pinned. ``slices_per_program`` (with ``split_keys``; a power of two): each
+    program takes that many consecutive slices, each into its own partial, so the same bits with fewer programs
+    (default: ``invariant_attention_launch``'s on CUDA with ``rowsum_mma``, else 1).
 
     ``rope``: fused_ops.rope_qk_cache in the same launch (``q`` then holds the raw queries, a strided
     view of the qkv projection is fine): a dict with ``k``, ``v`` [T, Hkv, D] (raw new keys, values),
@@ -497,8 +507,21 @@ def paged_attention(
             raise ValueError(f"split_keys ({split_keys}) needs max_seq_len, a block_n dividing it and no num_splits")
         num_splits = max(1, -(-max_seq_len // split_keys))
         fuse_combine = bool(fuse_combine)  # off unless asked: FUSE_COMBINE's merge is in slice order too
-    if split_keys is not None and rowsum_mma and q.is_cuda and num_warps is None and num_stages is None:
-        num_warps, num_stages = invariant_attention_launch(block_m, B * Hkv * q_programs * num_splits, sm_count(q.device))
+        if rowsum_mma and q.is_cuda and num_warps is None and num_stages is None:
+            launch = invariant_attention_launch(block_m, B * Hkv * q_programs * num_splits, sm_count(q.device))
+            num_warps, num_stages = launch["num_warps"], launch["num_stages"]
+            if slices_per_program is None:
+                slices_per_program = launch["slices_per_program"]
+        spp = slices_per_program or 1
+        while spp > 1 and num_splits % spp:  # whole groups only (both are powers of two in the engine)
+            spp //= 2
+        if spp > 1 and fuse_combine:
+            raise ValueError("slices_per_program > 1 does not combine inside the launch (fuse_combine)")
+        slices_per_program = spp
+    elif slices_per_program not in (None, 1):
+        raise ValueError(f"slices_per_program ({slices_per_program}) needs split_keys")
+    else:
+        slices_per_program = 1
     if tuning and block_n is None and num_splits is None and num_warps is None and num_stages is None:
         tuned = tuned_launch(block_m, B * Hkv * q_programs, max_seq_len, sm_count(q.device) if q.is_cuda else None)
         block_n, num_splits, num_stages = tuned.get("block_n"), tuned.get("num_splits"), tuned.get("num_stages")
@@ -532,7 +555,7 @@ def paged_attention(
                      float(rope.get("eps", 1e-6)), rope["slot_mapping"])
     else:
         rope_args = (q, 0, 0, q, 0, 0, seq_lens, q, q, 0, q, q, 0.0, seq_lens)
-    _paged_attention_kernel[(B, Hkv, splits * q_programs)](
+    _paged_attention_kernel[(B, Hkv, splits // slices_per_program * q_programs)](
         q, k_cache, v_cache, target, lse, out, counters, block_tables, seq_lens, query_start_loc,
         scale * LOG2E, q_programs,
         q.stride(0), q.stride(1),
@@ -544,7 +567,7 @@ def paged_attention(
         FUSE_COMBINE=fuse, MAX_CHUNKS=max_chunks if fuse else 1,  # a constexpr: unfused, one value, one compile
         ROPE_IN=rope is not None, HAS_QNORM=rope is not None and rope.get("q_norm") is not None,
         HAS_KNORM=rope is not None and rope.get("k_norm") is not None, SPLIT_KEYS=split_keys or 0,
-        ROWSUM_MMA=rowsum_mma,
+        ROWSUM_MMA=rowsum_mma, SLICES_PER_PROGRAM=slices_per_program,
         # fp32 RoPE products must not be contracted into FMAs (fused_ops' exactness note); in bf16/fp16 the
         # explicit roundings already keep them apart, and the attention math keeps its FMAs.
         num_warps=num_warps or 4, **({"num_stages": num_stages} if num_stages else {}),
@@ -585,16 +608,22 @@ def tuned_launch(block_m: int, num_programs: int, max_seq_len: int | None, sms: 
     return {"block_n": 64, "num_stages": 3, "num_splits": splits}
 
 
-def invariant_attention_launch(block_m: int, num_programs: int, sms: int) -> tuple[int, int]:
-    """(num_warps, num_stages) of the invariant attention (fixed key slices, 64-key tiles, ``rowsum_mma``), whose
-    rows do not depend on either: on an H100 every one of 16 warp/stage pairs (1-8 warps, 1-4 stages) gave the
-    same bits for every row at 64- and 128-key slices (benchmarks/invariance_check.py --parts attention --sweep,
-    docs/benchmarks.md session 47). So they follow the step: one stage (a slice is one or two key tiles), 4 warps,
-    but 2 for verification tiles (32 rows) over more than 4 programs per SM, which were 14 % faster at batch 32
-    (16.8 against 19.5 µs, 64-key slices, 1k context); decode tiles (16 rows) were fastest with 4 at both batches."""
-    if block_m == 32 and num_programs > 4 * sms:
-        return 2, 1
-    return 4, (1 if block_m <= 32 else None)
+def invariant_attention_launch(block_m: int, num_programs: int, sms: int) -> dict:
+    """num_warps, num_stages and slices_per_program of the invariant attention (fixed key slices, 64-key tiles,
+    ``rowsum_mma``) for a launch of ``num_programs`` (request, KV head, query chunk, slice) programs, none of which
+    changes a row's bits: on an H100 every one of 16 warp/stage pairs (1-8 warps, 1-4 stages) gave the same bits for
+    every row at 64- and 128-key slices, and the slices' merge inside the launch did too
+    (benchmarks/invariance_check.py --parts attention --sweep, docs/benchmarks.md session 47); slices taken one
+    after the other by one program are computed as by one program each. So they follow the step:
+    - one stage (a slice is one or two key tiles); 4 warps, but 2 for verification tiles (32 rows) over more than
+      4 programs per SM, which were 14 % faster at batch 32 (16.8 against 19.5 µs, 64-key slices, 1k context);
+      decode tiles (16 rows) were fastest with 4 at both batches.
+    - two slices per program over more than 4 programs per SM: at batch 32, 128-key slices (half the programs)
+      took 9.3 / 15.2 µs for decode / verification against 64-key slices' 10.9 / 16.8. Predicted, not measured:
+      two 64-key slices per program close most of that gap (session 47 ran no GPU after building it)."""
+    busy = num_programs > 4 * sms
+    return {"num_warps": 2 if block_m == 32 and busy else 4, "num_stages": 1 if block_m <= 32 else None,
+            "slices_per_program": 2 if busy else 1}
 
 
 # The split merge inside the attention launch (one launch per layer instead of two: at batch 1 on an

@@ -256,6 +256,27 @@ def test_row_sums_on_the_tensor_cores_match_the_reference():
     torch.testing.assert_close(half.float(), ref, atol=3e-3, rtol=3e-3)
 
 
+def test_several_slices_per_program_keep_the_bits():
+    """slices_per_program: a program takes consecutive fixed slices one after the other, each from a fresh softmax
+    state into its own partial, so every row has the bits of one slice per program (fp16 caches, ragged requests,
+    a padding request, a bucket above the longest context); a group size that does not divide the slices is
+    lowered to one that does; it needs fixed slices and no merge inside the launch."""
+    b = make_batch([6, 9, 23, 38], [1, 6, 11, 3], heads=(9, 3), head_dim=64, page=4, pad_requests=1)
+    kc, vc = written(b)
+    q, kc, vc = b.q.half(), kc.half(), vc.half()
+    args = (q, kc, vc, b.block_tables, b.seq_lens, b.qsl, 0.125)
+    kw = dict(max_query_len=11, max_seq_len=64, split_keys=8, block_n=8, block_m=64, rowsum_mma=True)
+    one = paged_attention(*args, **kw)
+    for spp in (2, 4, 3):  # 3: lowered to 2 (8 slices)
+        assert torch.equal(paged_attention(*args, slices_per_program=spp, **kw), one), spp
+    ref = paged_attention_ref(b.q, *written(b), b.block_tables, b.seq_lens, b.qsl, 0.125)
+    torch.testing.assert_close(one.float(), ref, atol=3e-3, rtol=3e-3)
+    with pytest.raises(ValueError, match="needs split_keys"):
+        paged_attention(*args, max_query_len=11, slices_per_program=2)
+    with pytest.raises(ValueError, match="fuse_combine"):
+        paged_attention(*args, slices_per_program=2, fuse_combine=True, **kw)
+
+
 @pytest.mark.parametrize("verify_batch", [False, True])
 def test_fixed_key_slices_give_a_row_the_same_bits_decoded_or_verified(verify_batch):
     """The batch-invariant property of split_keys: the decoded row and the verified row agree bit for bit
