@@ -50,26 +50,30 @@ SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1
 REF = {"BM": 64, "BN": 64, "BK": 64, "warps": 4, "stages": 3}
 
 
+@triton.jit
+def _k_range(x_ptr, w_ptr, rm, rn, rk, lo, hi, M, N, K, stride_xm, stride_wk, BK: tl.constexpr, acc):
+    """acc + x[rm, lo:hi] @ w[lo:hi, rn], K walked in order in steps of BK (past K the masks load zeros: exact + 0)."""
+    for k0 in range(lo, hi, BK):
+        kk = k0 + rk
+        a = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+        w = tl.load(w_ptr + kk[:, None] * stride_wk + rn[None, :], mask=(kk[:, None] < K) & (rn[None, :] < N), other=0.0)
+        acc = tl.dot(a, w, acc)
+    return acc
+
+
 @triton.jit(do_not_specialize=["M"])
 def _mm(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wk, stride_ym,
         SEG: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """y = x @ w with K summed in segments of SEG (each from zero, added in order); SEG >= K: one segment, the
     arithmetic of dspark/kernels/matmul.py's kernel (kept as its own copy so that one kernel runs every variant
     measured here; ``engine`` runs the shipped kernel itself)."""
-    pm = tl.program_id(0)
-    pn = tl.program_id(1)
-    rm = (pm * BM + tl.arange(0, BM)).to(tl.int64)
-    rn = pn * BN + tl.arange(0, BN)
+    rm = (tl.program_id(0) * BM + tl.arange(0, BM)).to(tl.int64)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
     total = tl.zeros([BM, BN], dtype=tl.float32)
-    for s0 in range(0, K, SEG):
-        acc = tl.zeros([BM, BN], dtype=tl.float32)
-        for k0 in range(s0, s0 + SEG, BK):  # SEG: a multiple of BK; past K the mask loads zeros (exact + 0)
-            kk = k0 + rk
-            a = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
-            w = tl.load(w_ptr + kk[:, None] * stride_wk + rn[None, :], mask=(kk[:, None] < K) & (rn[None, :] < N), other=0.0)
-            acc = tl.dot(a, w, acc)
-        total += acc
+    for s0 in range(0, K, SEG):  # SEG: a multiple of BK
+        total += _k_range(x_ptr, w_ptr, rm, rn, rk, s0, s0 + SEG, M, N, K, stride_xm, stride_wk, BK,
+                          tl.zeros([BM, BN], dtype=tl.float32))
     tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], total.to(y_ptr.dtype.element_ty),
              mask=(rm[:, None] < M) & (rn[None, :] < N))
 
@@ -78,18 +82,11 @@ def _mm(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wk, stride_ym,
 def _mm_split(x_ptr, w_ptr, p_ptr, M, N, K, stride_xm, stride_wk,
               SEG: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """Program (m, n, s): segment s of K into p[s] (fp32), summed from zero."""
-    pm = tl.program_id(0)
-    pn = tl.program_id(1)
+    rm = (tl.program_id(0) * BM + tl.arange(0, BM)).to(tl.int64)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
     s = tl.program_id(2)
-    rm = (pm * BM + tl.arange(0, BM)).to(tl.int64)
-    rn = pn * BN + tl.arange(0, BN)
-    rk = tl.arange(0, BK)
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for k0 in range(s * SEG, s * SEG + SEG, BK):
-        kk = k0 + rk
-        a = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
-        w = tl.load(w_ptr + kk[:, None] * stride_wk + rn[None, :], mask=(kk[:, None] < K) & (rn[None, :] < N), other=0.0)
-        acc = tl.dot(a, w, acc)
+    acc = _k_range(x_ptr, w_ptr, rm, rn, tl.arange(0, BK), s * SEG, s * SEG + SEG, M, N, K, stride_xm, stride_wk, BK,
+                   tl.zeros([BM, BN], dtype=tl.float32))
     tl.store(p_ptr + s * M * N + rm[:, None] * N + rn[None, :], acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
@@ -325,9 +322,9 @@ def attention(dev, sweep: bool = False) -> dict:
                # what each part costs: the default launch with the row sums on the tensor cores; the fixed
                # slices with the default query tile and tl.sum (not invariant)
                "default+mma": {"rowsum_mma": True}, "slices_only": {"split_keys": 128, "block_n": 64},
-               # the engine's invariant attention (session 47): its warps and stages by invariant_attention_launch
-               "engine_k64": {"split_keys": 64, "block_n": 64, "rowsum_mma": True},
-               "engine_k128": {"split_keys": 128, "block_n": 64, "rowsum_mma": True}}
+               # the engine's invariant attention (session 47; "rowsum_mma" above is its 128-key form): warps, stages
+               # and slices per program by invariant_attention_launch
+               "engine_k64": {"split_keys": 64, "block_n": 64, "rowsum_mma": True}}
     if sweep:  # rowsum_mma's free launch parameters (warps, stages, the merge in the launch) and its slice size,
         # each compared bit for bit with rowsum_mma at the same slice size
         for sk in (64, 128):
