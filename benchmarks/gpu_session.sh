@@ -15,7 +15,9 @@
 #   invariance: benchmarks/invariance_check.py --parts $INV_PARTS (default attention);
 #   fewrow: the few-row decoder-layer chains and their kernels' launch sweep (benchmarks/fewrow_chain_bench.py,
 #           FEWROW_ARGS, default: 8/2/16 rows, the qkv+RoPE and gate|up kernels swept).
-# STEPS picks and orders them; BACKEND (default triton) is the attention backend of the dspark runs.
+# STEPS picks and orders them; BACKEND (default triton) is the attention backend of the dspark runs. The archive
+# ($OUT/gpu_session.tar.gz) is rewritten after every step and every set of options, so that a call cut off by its time
+# limit (or by the session's device time) still brings back what finished.
 set -uo pipefail
 bash benchmarks/gguf_pieces.sh  # joins the GGUF from the pieces carried so far
 [ -f /tmp/smollm.gguf ] || exit 1
@@ -27,8 +29,11 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 STEPS=${STEPS:-longctx serve kernels}
 DEV=${DEV:-cuda}
 FINAL_OUT=$OUT
-OUT=/tmp/gpu_session; rm -rf $OUT; mkdir -p $OUT  # packed into one archive at the end (8 files come back at most)
+OUT=/tmp/gpu_session; rm -rf $OUT; mkdir -p $OUT  # packed into one archive (pack; 8 files come back at most)
 T0=$SECONDS
+pack() {  # $OUT so far -> the archive that comes back (written aside, then renamed: never half an archive)
+  tar -C $OUT -czf "$FINAL_OUT/gpu_session.tar.gz.tmp" . && mv "$FINAL_OUT/gpu_session.tar.gz.tmp" "$FINAL_OUT/gpu_session.tar.gz"
+}
 split_env() {  # leading VAR=value words -> ENVS, the rest -> ARGS
   ENVS=(); ARGS=()
   for w in "$@"; do
@@ -57,7 +62,7 @@ for step in $STEPS; do
       env "${ENVS[@]}" timeout ${CORRECT_S:-420} python3 -m dspark.cli bench correctness --device $DEV \
         --attention-backend ${BACKEND:-triton} --prompt-source /tmp/sharegpt_prompts.json.gz --out "$OUT/$name.json" \
         "${ARGS[@]}" > "$OUT/$name.log" 2>&1
-      echo "$name rc=$? ($args)"; tail -n 25 "$OUT/$name.log"
+      echo "$name rc=$? ($args)"; tail -n 25 "$OUT/$name.log"; pack
     done ;;
   bench)  # BENCH_ARGS: one set of options, or several separated by '|' (one process each: bench_1, ...); a set
     # may start with VAR=value settings for its process alone, e.g. 'DSPARK_INVARIANT_ATTENTION=mma --runs 3'
@@ -68,7 +73,7 @@ for step in $STEPS; do
       env "${ENVS[@]}" timeout ${BENCH_S:-300} python3 -m dspark.cli bench --device $DEV --attention-backend ${BACKEND:-triton} \
         --prompt-source /tmp/sharegpt_prompts.json.gz --json "$OUT/$name.json" --plot-dir "$OUT/plots_$name" \
         "${ARGS[@]}" > "$OUT/$name.log" 2>&1
-      echo "$name rc=$? ($args)"; tail -n 25 "$OUT/$name.log"
+      echo "$name rc=$? ($args)"; tail -n 25 "$OUT/$name.log"; pack
     done ;;
   invariance)  # which launches change a row's bits (benchmarks/invariance_check.py; INV_PARTS, default attention)
     timeout ${INV_S:-200} python3 benchmarks/invariance_check.py "$OUT/inv" --parts ${INV_PARTS:-attention} \
@@ -89,6 +94,7 @@ for step in $STEPS; do
       echo "kernel $k rc=$?"; tail -n 30 "$OUT/kernel_$k.log"
     done ;;
   esac
+  pack
 done
 echo "=== done at $((SECONDS - T0))s"
-tar -C $OUT -czf "$FINAL_OUT/gpu_session.tar.gz" .
+pack
