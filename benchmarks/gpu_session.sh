@@ -12,7 +12,7 @@
 #   bench: `dspark bench`, the side-by-side matrix (HF static+compiled, dspark, dspark + DSpark), once per
 #          '|'-separated set of options in BENCH_ARGS;
 #   cprofile: where continuous batching's time goes, plain vs DSpark (benchmarks/gpu_continuous_profile.py);
-#   invariance: benchmarks/invariance_check.py --parts $INV_PARTS (default attention);
+#   invariance: benchmarks/invariance_check.py --parts $INV_PARTS (default attention) $INV_ARGS (e.g. --sweep);
 #   fewrow: the few-row decoder-layer chains and their kernels' launch sweep (benchmarks/fewrow_chain_bench.py,
 #           FEWROW_ARGS, default: 8/2/16 rows, the qkv+RoPE and gate|up kernels swept).
 # STEPS picks and orders them; BACKEND (default triton) is the attention backend of the dspark runs. The archive
@@ -76,7 +76,7 @@ for step in $STEPS; do
       echo "$name rc=$? ($args)"; tail -n 25 "$OUT/$name.log"; pack
     done ;;
   invariance)  # which launches change a row's bits (benchmarks/invariance_check.py; INV_PARTS, default attention)
-    timeout ${INV_S:-200} python3 benchmarks/invariance_check.py "$OUT/inv" --parts ${INV_PARTS:-attention} \
+    timeout ${INV_S:-200} python3 benchmarks/invariance_check.py "$OUT/inv" --parts ${INV_PARTS:-attention} ${INV_ARGS:-} \
       > "$OUT/invariance.log" 2>&1; echo "invariance rc=$?"; grep -v Warning "$OUT/invariance.log" | tail -n 12 ;;
   cprofile)
     timeout ${CPROF_S:-300} python3 benchmarks/gpu_continuous_profile.py "$OUT/cprofile" \
