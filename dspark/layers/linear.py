@@ -21,6 +21,14 @@ Which of the two is faster at two rows depends on the machine: on another VM of 
 42, 2026-12-05) a whole 2-row SmolLM2 step took 49.2 ms on oneDNN and 42.4-44.1 ms split-K (three rounds), the
 reverse of the figures above. So the limit is per layer (``Linear.split_k_max_rows``, set with
 ``use_cpu_split_k``) and the CPU runner measures both at start-up (``ModelRunner._choose_split_k_rows``).
+
+Half precision on the CPU is the other way round: torch 2.13's bf16 product reads an input-major weight about
+10x slower than the same weight output-major (2 threads, this 2-core VM, a 576x1536 matrix: 1,315 against 123 µs
+at one row, 6,800 against 612 at 5, 44,790 against 3,800 at 32; fp16 1,638 against 125 at one row, 7,593 against
+517 at 5; fp32 108-620 µs either way), so the CPU runner re-lays bf16/fp16 weights ``[out, in]``
+(``use_output_major``) and splits nothing: `dspark bench --device cpu
+--dtype bfloat16` (SmolLM2, ShareGPT, greedy) went from 2.4 to 20.7 tok/s at batch 1 (HF eager: 19.8-20.6) and from
+2.0 to 18.6 at batch 4 (docs/benchmarks.md, session 48). fp32 stays the CPU's default dtype.
 """
 
 from __future__ import annotations
@@ -106,13 +114,13 @@ def use_cpu_split_k(module: nn.Module, chunks: int | None = None, max_rows: int 
 CUDA_OUTPUT_MAJOR = os.environ.get("DSPARK_CUDA_OUTPUT_MAJOR") == "1"
 
 
-def use_output_major(module: nn.Module) -> int:
-    """Re-lay every Linear weight in ``module`` as ``[out, in]`` contiguous, keeping ``weight_t`` as its
-    ``[in, out]`` transposed view (so every product reads the same values; cuBLAS gets the "T"
-    operand). Returns how many layers were re-laid."""
+def use_output_major(module: nn.Module, dtypes: tuple[torch.dtype, ...] | None = None) -> int:
+    """Re-lay every Linear weight in ``module`` (of one of ``dtypes``, if given) as ``[out, in]`` contiguous,
+    keeping ``weight_t`` as its ``[in, out]`` transposed view (so every product reads the same values; cuBLAS
+    gets the "T" operand). Returns how many layers were re-laid."""
     n = 0
     for m in module.modules():
-        if isinstance(m, Linear) and m.weight_t.is_contiguous():
+        if isinstance(m, Linear) and m.weight_t.is_contiguous() and (dtypes is None or m.weight_t.dtype in dtypes):
             m.weight_t.data = m.weight_t.data.t().contiguous().t()
             n += 1
     return n
