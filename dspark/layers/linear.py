@@ -26,9 +26,9 @@ Half precision on the CPU is the other way round: torch 2.13's bf16 product read
 10x slower than the same weight output-major (2 threads, this 2-core VM, a 576x1536 matrix: 1,315 against 123 µs
 at one row, 6,800 against 612 at 5, 44,790 against 3,800 at 32; fp16 1,638 against 125 at one row, 7,593 against
 517 at 5; fp32 108-620 µs either way), so the CPU runner re-lays bf16/fp16 weights ``[out, in]``
-(``use_output_major``) and splits nothing: `dspark bench --device cpu
---dtype bfloat16` (SmolLM2, ShareGPT, greedy) went from 2.4 to 20.7 tok/s at batch 1 (HF eager: 19.8-20.6) and from
-2.0 to 18.6 at batch 4 (docs/benchmarks.md, session 48). fp32 stays the CPU's default dtype.
+(``use_output_major``) and splits nothing: ``dspark bench --device cpu --dtype bfloat16`` (SmolLM2, ShareGPT,
+greedy) went from 2.4 to 20.7 tok/s at batch 1 (HF eager: 19.8-20.6) and from 2.0 to 18.6 at batch 4
+(docs/benchmarks.md, session 48). fp32 stays the CPU's default dtype.
 """
 
 from __future__ import annotations
