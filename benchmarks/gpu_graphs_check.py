@@ -9,7 +9,8 @@ parts (comma-separated, default all):
            and the drafter step, at batch 1/8/32, context 1k; the 1k-context decode step under
            max_model_len 8192 vs 1024 (context buckets); eager vs graph engine tok/s at batch 1.
            STEPS_ONLY (comma-separated row names, e.g. "max_model_len=8192/dspark") runs only those
-           rows; STEPS_EAGER=0 skips the eager engine run.
+           rows; STEPS_MAX_LENS (e.g. "2048") the max_model_len values; STEPS_EAGER=0 skips the eager
+           engine run.
   kernels  the same shapes: the GPU kernels of one plain decode step (target + sampling graphs) and one
            greedy DSpark step (target q=1+N + verification + drafter graphs) at batch 1 and 32, context
            1k, under torch.profiler (graph replays), by kernel name: where a verification step's extra
@@ -137,12 +138,13 @@ if "steps" in parts:
     target = write_tiny_checkpoint(tmp / "smol", "llama", seed=1, **smol)
     drafter = shipped_drafter("smollm2-135m-instruct")
     steps: dict = {}
-    # STEPS_ONLY="max_model_len=8192/dspark,...": these rows only; STEPS_EAGER=0: no eager engine run
+    # STEPS_ONLY="max_model_len=8192/dspark,...": these rows only; STEPS_EAGER=0: no eager engine run;
+    # STEPS_MAX_LENS="2048": these max_model_len values (default 8192 and 1024, DSpark at 1024 only if named)
     only = [n for n in os.environ.get("STEPS_ONLY", "").split(",") if n]
-    for max_len in (8192, 1024):
+    for max_len in [int(x) for x in os.environ.get("STEPS_MAX_LENS", "8192,1024").split(",")]:
         for spec in (False, True):
             name = f"max_model_len={max_len}/{'dspark' if spec else 'plain'}"
-            if (max_len == 1024 and spec) or (only and name not in only):
+            if (name not in only) if only else (max_len == 1024 and spec):
                 continue
             kw = dict(device="cuda", dtype="bfloat16", max_model_len=max_len, max_num_seqs=32,
                       attention_backend="triton", kv_cache_memory_gb=4)
