@@ -295,7 +295,7 @@ def engine(dev) -> dict:
     return out
 
 
-def attention(dev, sweep: bool = False) -> dict:
+def attention(dev, sweep: bool = False, only: tuple[str, ...] = ()) -> dict:
     """Paged attention (SmolLM2's 9 / 3 heads of 64, bf16, pages of 16): one query row per request decoded
     (batch 1 and 32) against the same row verified as the first of 8 (batch 32), bit for bit, and the time
     of each step, for the default launch, batch-invariant mode's (fixed 128-key slices, 64-row query tile)
@@ -333,10 +333,15 @@ def attention(dev, sweep: bool = False) -> dict:
                     configs[f"mma_k{sk}_w{w}_s{st}"] = {"split_keys": sk, "block_n": 64, "rowsum_mma": True,
                                                         "num_warps": w, "num_stages": st}
             configs[f"mma_k{sk}_fused"] = {"split_keys": sk, "block_n": 64, "rowsum_mma": True, "fuse_combine": True}
-            for spp in (2, 4):  # several slices per program (each into its own partial): fewer programs
-                for w in (2, 4):
-                    configs[f"mma_k{sk}_w{w}_s1_spp{spp}"] = {"split_keys": sk, "block_n": 64, "rowsum_mma": True,
-                                                              "num_warps": w, "num_stages": 1, "slices_per_program": spp}
+            # several slices per program (each into its own partial; one loop over their tiles since session
+            # 50, pipelined with stages > 1): fewer programs
+            for spp in (2, 4, 8, 16):
+                for w, st in ((2, 1), (4, 1), (4, 3)):
+                    configs[f"mma_k{sk}_w{w}_s{st}_spp{spp}"] = {"split_keys": sk, "block_n": 64, "rowsum_mma": True,
+                                                                 "num_warps": w, "num_stages": st,
+                                                                 "slices_per_program": spp}
+    if only:  # these configs (name substrings), the default launch and the engine's for comparison
+        configs = {k: v for k, v in configs.items() if k in ("default", "engine_k64") or any(o in k for o in only)}
 
     def step(nb: int, q_per: int, kw: dict):
         sl = (pos[:nb] + q_per).to(torch.int32).to(dev)
@@ -375,6 +380,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="attention: sweep rowsum_mma's warps, stages, slices")
     ap.add_argument("--parts", default="bitwise,timing")
+    ap.add_argument("--only", default="", help="attention: only the launch configs whose names contain one of these "
+                    "comma-separated substrings (and the default and engine launches)")
     ap.add_argument("--smoke", action="store_true", help="small shapes, bitwise only, on the CPU (TRITON_INTERPRET=1)")
     a = ap.parse_args()
     os.makedirs(a.out_dir, exist_ok=True)
@@ -398,7 +405,7 @@ def main() -> int:
         res["engine"] = engine(dev)
         save()
     if "attention" in a.parts:
-        res["attention"] = attention(dev, a.sweep)
+        res["attention"] = attention(dev, a.sweep, tuple(o for o in a.only.split(",") if o))
         save()
     if "timing" in a.parts:
         res["timing"] = []

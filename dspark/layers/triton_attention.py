@@ -35,6 +35,7 @@ The DSpark drafter does not use this backend: its block pass attends over its ow
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -118,6 +119,9 @@ class TritonAttentionBackend:
             self._fixed = {"split_keys": keys, "block_n": 64, "rowsum_mma": True}
             if device.type != "cuda":
                 self._fixed["block_m"] = 64
+            # DSPARK_INVARIANT_LAUNCH (benchmarks only): a JSON dict of paged_attention keywords over these, to time
+            # other launches of the invariant attention in the engine (warps, stages, slices per program, slice size)
+            self._fixed.update(json.loads(os.environ.get("DSPARK_INVARIANT_LAUNCH") or "{}"))
         else:
             self._fixed = {}
         try:
