@@ -98,6 +98,13 @@ class EngineConfig:
     # True: the target's row results do not depend on how many rows a step has (batch-invariant matmul,
     # attention over fixed key slices and tiles): greedy speculative output equals plain output in bf16 too.
     batch_invariant: bool = False
+    # True: only the attention batch-invariant (batch_invariant's fixed key slices and tensor-core row sums), the
+    # products as by default. On a GPU the verification step then rounds a row as the decode step does, so greedy
+    # DSpark output equals plain output on the embedded model's test (64 of 64 prompts x 128 tokens, H100,
+    # session 47, against 19 of 64 without). Cost (session 50, engine steps at 1k context, max_model_len 2,048):
+    # plain decode +0.3-1.0 % at batch 1 and +6-10 % at batch 32, verification -2 % at batch 1 and +6-10 % at
+    # batch 8-32; at a max_model_len over 4,096 the key slices grow to 128 keys and batch 1 costs ~5 %.
+    invariant_attention: bool = False
     # True: with CUDA graphs (plain decoding; greedy DSpark), the next step is launched before the current
     # one's tokens are read back, so the host's bookkeeping overlaps the GPU (engine/llm_engine.py).
     async_scheduling: bool = True
@@ -126,10 +133,11 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"unknown attention_backend {self.attention_backend!r}: use one of "
                              f"{', '.join(ATTENTION_BACKENDS)}")
-        if self.batch_invariant and self.resolved_attention_backend != "triton":
-            raise ValueError("batch_invariant needs the triton attention backend (its kernels are the batch-invariant "
-                             f"ones); attention_backend {self.attention_backend!r} resolves to "
-                             f"{self.resolved_attention_backend!r} on {self.device}")
+        for name in ("batch_invariant", "invariant_attention"):
+            if getattr(self, name) and self.resolved_attention_backend != "triton":
+                raise ValueError(f"{name} needs the triton attention backend (its kernels are the batch-invariant "
+                                 f"ones); attention_backend {self.attention_backend!r} resolves to "
+                                 f"{self.resolved_attention_backend!r} on {self.device}")
 
     @property
     def resolved_attention_backend(self) -> str:

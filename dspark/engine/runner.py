@@ -75,7 +75,8 @@ class InflightStep:
 
 def make_attention_backend(name: str, device: torch.device, batch_invariant: bool = False,
                            max_model_len: int | None = None):
-    """The attention backend named by EngineConfig.resolved_attention_backend. Triton is imported only
+    """The attention backend named by EngineConfig.resolved_attention_backend (``batch_invariant``: its
+    batch-invariant attention, EngineConfig.batch_invariant or .invariant_attention). Triton is imported only
     when asked for."""
     if name == "triton":
         from dspark.layers.triton_attention import TritonAttentionBackend
@@ -113,7 +114,8 @@ class ModelRunner:
         the target exists (the drafter shares the target's embedding and lm_head)."""
         self.config = config
         self.device = torch.device(config.device)
-        self.backend = make_attention_backend(config.resolved_attention_backend, self.device, config.batch_invariant,
+        self.backend = make_attention_backend(config.resolved_attention_backend, self.device,
+                                              config.batch_invariant or config.invariant_attention,
                                               config.max_model_len)
         self.model_config = mc = loaded.config
         self.max_positions = config.max_model_len + 64  # RoPE covers every reachable position, drafts included

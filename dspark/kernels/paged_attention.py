@@ -259,88 +259,6 @@ def _combine_in_last_program(part_ptr, lse_ptr, final_ptr, counter_ptr, t, head,
 
 
 @triton.jit
-def _write_new_kv(lo, hi, ctx_len, q_start, kvh, n, d, k_cache_ptr, v_cache_ptr,
-                  stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                  k_new_ptr, sk_t, sk_h, v_new_ptr, sv_t, sv_h, pos_ptr, cos_ptr, sin_ptr, stride_cs, kn_ptr, eps,
-                  slot_ptr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-                  HAS_KNORM: tl.constexpr):
-    """ROPE_IN's cache write for key positions [lo, hi): the step's new tokens among them (from ``ctx_len``) get
-    their rotated K and their V written, this KV head, at their slots (negative: skipped); then a barrier, so
-    that the program's cache writes precede its reads of them."""
-    for p0 in range(tl.maximum(lo, ctx_len), hi, BLOCK_N):
-        p = p0 + n
-        p_ok = p < hi
-        tk = q_start + (p - ctx_len)
-        slot = tl.load(slot_ptr + tk, mask=p_ok, other=-1).to(tl.int64)
-        w_ok = p_ok & (slot >= 0)
-        kp = tl.load(pos_ptr + tk, mask=p_ok, other=0).to(tl.int64)
-        kx = _rope_rows(k_new_ptr + tk[:, None] * sk_t + kvh * sk_h, kp, p_ok, d,
-                        cos_ptr, sin_ptr, stride_cs, kn_ptr, eps, HAS_KNORM, HEAD_DIM)
-        blk = slot // PAGE
-        cache_k = blk * stride_kb + (slot % PAGE) * stride_kt + kvh * stride_kh
-        cache_v = blk * stride_vb + (slot % PAGE) * stride_vt + kvh * stride_vh
-        tl.store(k_cache_ptr + cache_k[:, None] + d[None, :],
-                 cast_rtne(kx.to(tl.float32), k_cache_ptr.dtype.element_ty), mask=w_ok[:, None])
-        vx = tl.load(v_new_ptr + tk[:, None] * sv_t + kvh * sv_h + d[None, :], mask=w_ok[:, None], other=0.0)
-        tl.store(v_cache_ptr + cache_v[:, None] + d[None, :],
-                 cast_rtne(vx.to(tl.float32), v_cache_ptr.dtype.element_ty), mask=w_ok[:, None])
-    tl.debug_barrier()
-
-
-@triton.jit
-def _attend_slice_group(q, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, bt_row, group, kv_end, ctx_len, q_start,
-                        q_pos, t, head, row_ok, kvh, n, d, d_ok, qk_scale,
-                        stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                        stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
-                        k_new_ptr, sk_t, sk_h, v_new_ptr, sv_t, sv_h, pos_ptr, cos_ptr, sin_ptr, stride_cs,
-                        kn_ptr, eps, slot_ptr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-                        NUM_SPLITS: tl.constexpr, SPLIT_KEYS: tl.constexpr, SLICES_PER_PROGRAM: tl.constexpr,
-                        DOT_PRECISION: tl.constexpr, ROPE_IN: tl.constexpr, HAS_KNORM: tl.constexpr,
-                        ROWSUM_MMA: tl.constexpr):
-    """Fixed slices group * SLICES_PER_PROGRAM, ... (SLICES_PER_PROGRAM of them) of one program, each into its own
-    partial, as ONE loop over their key tiles: the loop the compiler software-pipelines (a loop per 64-key slice
-    has one tile, so nothing to prefetch; session 50 measured that such a launch lost 6-10 % of a batch-32 step
-    on the H100). At a slice's last tile the running softmax state is stored as that slice's partial and starts
-    again from the initial state, so each slice is computed exactly as by a program of its own: the same tiles,
-    in the same order, from the same state; a row's bits do not depend on SLICES_PER_PROGRAM."""
-    first = group * SLICES_PER_PROGRAM
-    last = first + SLICES_PER_PROGRAM - 1
-    g_lo = first * SPLIT_KEYS
-    g_hi = tl.where(last == NUM_SPLITS - 1, kv_end, tl.minimum((last + 1) * SPLIT_KEYS, kv_end))
-    if ROPE_IN:
-        _write_new_kv(g_lo, g_hi, ctx_len, q_start, kvh, n, d, k_cache_ptr, v_cache_ptr,
-                      stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                      k_new_ptr, sk_t, sk_h, v_new_ptr, sv_t, sv_h, pos_ptr, cos_ptr, sin_ptr, stride_cs,
-                      kn_ptr, eps, slot_ptr, PAGE, HEAD_DIM, BLOCK_N, HAS_KNORM)
-    no_sink = tl.full([q.shape[0]], float("-inf"), tl.float32)
-    m_i = tl.full([q.shape[0]], float("-inf"), tl.float32)
-    l_i = tl.full([q.shape[0]], 0.0, tl.float32)
-    acc = tl.full([q.shape[0], q.shape[1]], 0.0, tl.float32)
-    for n0 in range(g_lo, g_hi, BLOCK_N):  # tiles never straddle slices: SPLIT_KEYS % BLOCK_N == 0
-        split = tl.minimum(n0 // SPLIT_KEYS, NUM_SPLITS - 1)  # the last slice runs to the end
-        hi = tl.where(split == NUM_SPLITS - 1, kv_end, tl.minimum((split + 1) * SPLIT_KEYS, kv_end))
-        pos = n0 + n
-        k, v, kv_ok = _load_paged_kv(k_cache_ptr, v_cache_ptr, bt_row, pos, hi, kvh, d, d_ok, stride_kb,
-                                     stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, PAGE)
-        valid = kv_ok[None, :] & (pos[None, :] <= q_pos[:, None])
-        m_i, l_i, acc = _online_softmax_step(q, k, v, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION, ROWSUM_MMA)
-        done = n0 + BLOCK_N >= hi  # the slice's last tile: its partial, then a fresh state
-        _store_rows(out_ptr, lse_ptr, t * stride_ot + head * stride_oh + split * stride_os,
-                    t * stride_lt + head * stride_lh + split, row_ok & done, d, d_ok,
-                    m_i, l_i, acc, no_sink, NUM_SPLITS)
-        m_i = tl.where(done, float("-inf"), m_i)
-        l_i = tl.where(done, 0.0, l_i)
-        acc = tl.where(done, 0.0, acc)
-    l_0 = tl.full([q.shape[0]], 0.0, tl.float32)
-    acc_0 = tl.full([q.shape[0], q.shape[1]], 0.0, tl.float32)
-    for si in range(SLICES_PER_PROGRAM):  # slices with no key (at or past kv_end): the empty partial
-        split = first + si
-        _store_rows(out_ptr, lse_ptr, t * stride_ot + head * stride_oh + split * stride_os,
-                    t * stride_lt + head * stride_lh + split, row_ok & (split * SPLIT_KEYS >= kv_end), d, d_ok,
-                    no_sink, l_0, acc_0, no_sink, NUM_SPLITS)
-
-
-@triton.jit
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, final_ptr, counter_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
@@ -405,16 +323,8 @@ def _paged_attention_kernel(
         # The chunk's last query sees keys < kv_end; this program takes one slice of [0, kv_end) (or
         # SLICES_PER_PROGRAM fixed ones).
         kv_end = tl.minimum(seq_len, ctx_len + c0 + BLOCK_Q)
-        if SLICES_PER_PROGRAM > 1:  # fixed slices group * SPP .. + SPP - 1 as one stream of key tiles
-            _attend_slice_group(q, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, bt_row, group, kv_end, ctx_len, q_start,
-                                q_pos, t, head, row_ok, kvh, n, d, d_ok, qk_scale,
-                                stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                                stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
-                                k_new_ptr, sk_t, sk_h, v_new_ptr, sv_t, sv_h, pos_ptr, cos_ptr, sin_ptr, stride_cs,
-                                kn_ptr, eps, slot_ptr, PAGE, HEAD_DIM, BLOCK_N, NUM_SPLITS, SPLIT_KEYS,
-                                SLICES_PER_PROGRAM, DOT_PRECISION, ROPE_IN, HAS_KNORM, ROWSUM_MMA)
-        else:
-            split = group
+        for si in range(SLICES_PER_PROGRAM):  # a loop, not unrolled: one slice's registers
+            split = group * SLICES_PER_PROGRAM + si
             if SPLIT_KEYS > 0:  # fixed slices [s * SPLIT_KEYS, (s + 1) * SPLIT_KEYS), the last one to the end
                 lo = split * SPLIT_KEYS
                 hi = tl.where(split == NUM_SPLITS - 1, kv_end, tl.minimum(lo + SPLIT_KEYS, kv_end))
@@ -423,10 +333,24 @@ def _paged_attention_kernel(
                 lo = split * split_len
                 hi = tl.minimum(lo + split_len, kv_end)
             if ROPE_IN:  # the new tokens' K (rotated) and V of this slice, this KV head, into the cache
-                _write_new_kv(lo, hi, ctx_len, q_start, kvh, n, d, k_cache_ptr, v_cache_ptr,
-                              stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                              k_new_ptr, sk_t, sk_h, v_new_ptr, sv_t, sv_h, pos_ptr, cos_ptr, sin_ptr, stride_cs,
-                              kn_ptr, eps, slot_ptr, PAGE, HEAD_DIM, BLOCK_N, HAS_KNORM)
+                for p0 in range(tl.maximum(lo, ctx_len), hi, BLOCK_N):
+                    p = p0 + n
+                    p_ok = p < hi
+                    tk = q_start + (p - ctx_len)
+                    slot = tl.load(slot_ptr + tk, mask=p_ok, other=-1).to(tl.int64)
+                    w_ok = p_ok & (slot >= 0)
+                    kp = tl.load(pos_ptr + tk, mask=p_ok, other=0).to(tl.int64)
+                    kx = _rope_rows(k_new_ptr + tk[:, None] * sk_t + kvh * sk_h, kp, p_ok, d,
+                                    cos_ptr, sin_ptr, stride_cs, kn_ptr, eps, HAS_KNORM, HEAD_DIM)
+                    blk = slot // PAGE
+                    cache_k = blk * stride_kb + (slot % PAGE) * stride_kt + kvh * stride_kh
+                    cache_v = blk * stride_vb + (slot % PAGE) * stride_vt + kvh * stride_vh
+                    tl.store(k_cache_ptr + cache_k[:, None] + d[None, :],
+                             cast_rtne(kx.to(tl.float32), k_cache_ptr.dtype.element_ty), mask=w_ok[:, None])
+                    vx = tl.load(v_new_ptr + tk[:, None] * sv_t + kvh * sv_h + d[None, :], mask=w_ok[:, None], other=0.0)
+                    tl.store(v_cache_ptr + cache_v[:, None] + d[None, :],
+                             cast_rtne(vx.to(tl.float32), v_cache_ptr.dtype.element_ty), mask=w_ok[:, None])
+                tl.debug_barrier()  # this program's cache writes before its reads of them
 
             m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
             l_i = tl.full([BLOCK_M], 0.0, tl.float32)
@@ -584,7 +508,8 @@ def paged_attention(
         num_splits = max(1, -(-max_seq_len // split_keys))
         fuse_combine = bool(fuse_combine)  # off unless asked: FUSE_COMBINE's merge is in slice order too
         if rowsum_mma and q.is_cuda and num_warps is None and num_stages is None:
-            launch = invariant_attention_launch(block_m, B * Hkv * q_programs * num_splits, sm_count(q.device))
+            launch = invariant_attention_launch(block_m, B * Hkv * q_programs * num_splits, sm_count(q.device),
+                                                split_keys // block_n)
             num_warps, num_stages = launch["num_warps"], launch["num_stages"]
             if slices_per_program is None:
                 slices_per_program = launch["slices_per_program"]
@@ -684,26 +609,29 @@ def tuned_launch(block_m: int, num_programs: int, max_seq_len: int | None, sms: 
     return {"block_n": 64, "num_stages": 3, "num_splits": splits}
 
 
-def invariant_attention_launch(block_m: int, num_programs: int, sms: int) -> dict:
+def invariant_attention_launch(block_m: int, num_programs: int, sms: int, tiles_per_slice: int = 1) -> dict:
     """num_warps, num_stages and slices_per_program of the invariant attention (fixed key slices, 64-key tiles,
-    ``rowsum_mma``) for a launch of ``num_programs`` (request, KV head, query chunk, slice) programs, none of which
+    ``rowsum_mma``) for a launch of ``num_programs`` (request, KV head, query chunk, slice) programs over slices of
+    ``tiles_per_slice`` key tiles (1 up to a max_model_len of 4,096, then 2, ...: invariant_split_keys), none of which
     changes a row's bits: on an H100 every one of 16 warp/stage pairs (1-8 warps, 1-4 stages) gave the same bits for
     every row at 64- and 128-key slices, and the slices' merge inside the launch did too
-    (benchmarks/invariance_check.py --parts attention --sweep, docs/benchmarks.md session 47); slices taken by one
-    program are computed as by one program each (``_attend_slice_group``). So they follow the step:
-    - up to 4 programs per SM, one slice each and one stage (a slice is one or two key tiles: nothing to
-      pipeline), 4 warps: batch-1 decode and verification.
-    - past that, consecutive slices per program (a power of two) until at most 2 programs per SM are left, their
-      tiles in one loop pipelined over 3 stages, 4 warps: the shape of the default launch at batch 32 (2 slices of
-      512 keys per (request, KV head), 3 stages). Session 50 (H100, engine steps at 1k context, max_model_len
-      2,048: 16 slices of 64 keys) measured the plain batch-32 decode step at 1.403 ms with session 47's rule (2
-      slices per program, each its own one-tile loop), 1.362 with one slice per program, against the default
-      launch's 1.283."""
-    spp = 1
-    while num_programs > 4 * sms and num_programs // spp > 2 * sms:
-        spp *= 2
-    return {"num_warps": 4, "num_stages": 3 if spp > 1 else (1 if block_m <= 32 else None),
-            "slices_per_program": spp}
+    (benchmarks/invariance_check.py --parts attention --sweep, docs/benchmarks.md session 47); slices taken one
+    after the other by one program are computed as by one program each. So they follow the step:
+    - one stage for one-tile slices, two for longer ones: with 128-key slices (two tiles) in the engine (session 50,
+      H100, plain decode step, 1k context) 2 stages took 0.763 / 0.871 / 1.334 ms at batch 1 / 8 / 32 against one
+      stage's 0.791 / 0.883 / 1.352 (the default launch: 0.725 / 0.850 / 1.281).
+    - 4 warps, but 2 for verification tiles (32 rows) over more than
+      4 programs per SM, which were 14 % faster at batch 32 (16.8 against 19.5 µs, 64-key slices, 1k context);
+      decode tiles (16 rows) were fastest with 4 at both batches.
+    - one slice per program. Taking two (``slices_per_program``, each slice its own one-tile loop) was predicted
+      to close the batch-32 gap to 128-key slices; in the engine (session 50, H100, plain decode step, batch 32,
+      1k context, random weights) it made the step slower, 1.403 ms against 1.362 with one slice (default launch
+      1.283). A variant that ran a program's slices as one pipelined loop over their tiles, storing each slice's
+      partial at its end, kept the bits but was slower still (H200: 1.47-1.82 ms for 2-16 slices per program at
+      batch 32, 1.08-2.1x the batch-1 step where forced there), so it was dropped."""
+    busy = num_programs > 4 * sms
+    return {"num_warps": 2 if block_m == 32 and busy else 4,
+            "num_stages": (1 if tiles_per_slice == 1 else 2) if block_m <= 32 else None, "slices_per_program": 1}
 
 
 # The split merge inside the attention launch (one launch per layer instead of two: at batch 1 on an

@@ -110,10 +110,9 @@ class TritonAttentionBackend:
         # (H100, docs/benchmarks.md session 47: 32 warp/stage pairs, decode vs verification rows) and follow the
         # step (invariant_attention_launch); off CUDA (Triton's interpreter, tests) the query tile is pinned at 64
         # rows, since the interpreter's numpy products may round a row by its tile's shape.
-        # DSPARK_INVARIANT_ATTENTION=1 (CUDA, for benchmarks): this attention in the default mode too, with its
-        # products and fused layers. With 128-key slices and 4 warps it gave 64/64 on §5's test and cost 6 % at
-        # plain batch 1 (session 47); the 64-key slices and launch rule since were faster than the tuned default in
-        # the kernel sweep at batch 1 but are not yet measured in the engine, so it is not the default.
+        # EngineConfig.invariant_attention (--invariant-attention) asks for this attention without the rest of
+        # batch-invariant mode; DSPARK_INVARIANT_ATTENTION=1 does too on CUDA (the benchmarks' switch, used by the
+        # commands in docs/benchmarks.md). Not the default: session 50 measured its cost in the engine (config.py).
         keys = invariant_split_keys(max_model_len)
         if batch_invariant or (device.type == "cuda" and os.environ.get("DSPARK_INVARIANT_ATTENTION") == "1"):
             self._fixed = {"split_keys": keys, "block_n": 64, "rowsum_mma": True}

@@ -136,7 +136,8 @@ def build_engine(args: argparse.Namespace, log: logging.Logger) -> Any:
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
         attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
-        batch_invariant=args.batch_invariant, async_scheduling=not args.no_async_scheduling,
+        batch_invariant=args.batch_invariant, invariant_attention=args.invariant_attention,
+        async_scheduling=not args.no_async_scheduling,
         warmup=False if args.no_warmup else None, graph_prefill_tokens=args.graph_prefill_tokens,
         graph_prefill_alone=args.graph_prefill_alone,
     )

@@ -91,3 +91,22 @@ def test_needs_the_triton_backend():
     with pytest.raises(ValueError, match="batch_invariant needs the triton attention backend"):
         EngineConfig(batch_invariant=True)  # auto = torch on a CPU
     assert EngineConfig(batch_invariant=True, attention_backend="triton").batch_invariant
+    with pytest.raises(ValueError, match="invariant_attention needs the triton attention backend"):
+        EngineConfig(invariant_attention=True)
+    assert EngineConfig(invariant_attention=True, attention_backend="triton").invariant_attention
+
+
+def test_invariant_attention_alone(models):
+    """EngineConfig.invariant_attention: the attention's fixed key slices and tensor-core row sums
+    (TritonAttentionBackend._fixed), the products left as by default; greedy DSpark still gives plain's tokens."""
+    target, drafter = models
+    llm = LLM(str(target), device="cpu", block_size=4, num_kv_blocks=64, attention_backend="triton",
+              invariant_attention=True, speculative_config={"model": str(drafter)})
+    runner = llm.engine.runner
+    assert runner.backend._fixed == {"split_keys": 64, "block_n": 64, "rowsum_mma": True, "block_m": 64}
+    assert not any(m.batch_invariant for m in runner.model.modules() if isinstance(m, Linear))
+    p = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    got = llm.generate([[5, 9, 200, 31]], p)[0].token_ids
+    plain = LLM(str(target), device="cpu", block_size=4, num_kv_blocks=64, attention_backend="triton")
+    assert plain.engine.runner.backend._fixed == {}
+    assert got == plain.generate([[5, 9, 200, 31]], p)[0].token_ids

@@ -168,7 +168,9 @@ def test_cli_flags(target, capsys):
     from dspark.cli import _engine_kwargs, build_parser
 
     a = build_parser().parse_args(["generate", "--no-spec", "--attention-backend", "triton"])
-    assert _engine_kwargs(a)["attention_backend"] == "triton"
+    assert _engine_kwargs(a)["attention_backend"] == "triton" and not _engine_kwargs(a)["invariant_attention"]
+    a = build_parser().parse_args(["generate", "--attention-backend", "triton", "--invariant-attention"])
+    assert _engine_kwargs(a)["invariant_attention"]
     assert build_parser().parse_args(["generate"]).attention_backend == "auto"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "--attention-backend", "flash"])
@@ -182,7 +184,12 @@ def test_cli_flags(target, capsys):
         [str(target), "--device", "cpu", "--attention-backend", "triton", "--kv-cache-memory-gb", "0.01"])
     engine = build_engine(args, logging.getLogger("test"))
     assert engine.config.attention_backend == "triton"
-    assert isinstance(engine.runner.backend, TritonAttentionBackend)
+    assert isinstance(engine.runner.backend, TritonAttentionBackend) and engine.runner.backend._fixed == {}
+    args = add_serve_arguments(argparse.ArgumentParser()).parse_args(
+        [str(target), "--device", "cpu", "--attention-backend", "triton", "--kv-cache-memory-gb", "0.01",
+         "--invariant-attention"])
+    engine = build_engine(args, logging.getLogger("test"))
+    assert engine.config.invariant_attention and engine.runner.backend._fixed["split_keys"] == 64
 
 
 def test_seq_len_hint_follows_the_graph_buckets():
