@@ -469,7 +469,7 @@ def paged_attention(
     row sums on the tensor cores (``_online_softmax_step``'s ROWSUM_MMA), so that the query tile no longer
     decides a row's bits and need not be pinned. ``slices_per_program`` (with ``split_keys``; a power of two): each
     program takes that many consecutive slices, each into its own partial, so the same bits with fewer programs
-    (default: ``invariant_attention_launch``'s on CUDA with ``rowsum_mma``, else 1).
+    (default 1: the engine's rule, ``invariant_attention_launch``, found it slower at every batch; a sweep knob).
 
     ``rope``: fused_ops.rope_qk_cache in the same launch (``q`` then holds the raw queries, a strided
     view of the qkv projection is fine): a dict with ``k``, ``v`` [T, Hkv, D] (raw new keys, values),
