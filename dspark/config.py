@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,6 +134,11 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"unknown attention_backend {self.attention_backend!r}: use one of "
                              f"{', '.join(ATTENTION_BACKENDS)}")
+        # DSPARK_INVARIANT_ATTENTION=1 (the switch of the benchmark commands in docs/benchmarks.md): invariant_attention
+        # for CUDA engines on the triton backend; read here only
+        if (os.environ.get("DSPARK_INVARIANT_ATTENTION") == "1" and str(self.device).startswith("cuda")
+                and self.resolved_attention_backend == "triton"):
+            object.__setattr__(self, "invariant_attention", True)
         for name in ("batch_invariant", "invariant_attention"):
             if getattr(self, name) and self.resolved_attention_backend != "triton":
                 raise ValueError(f"{name} needs the triton attention backend (its kernels are the batch-invariant "

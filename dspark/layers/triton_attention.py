@@ -110,11 +110,11 @@ class TritonAttentionBackend:
         # (H100, docs/benchmarks.md session 47: 32 warp/stage pairs, decode vs verification rows) and follow the
         # step (invariant_attention_launch); off CUDA (Triton's interpreter, tests) the query tile is pinned at 64
         # rows, since the interpreter's numpy products may round a row by its tile's shape.
-        # EngineConfig.invariant_attention (--invariant-attention) asks for this attention without the rest of
-        # batch-invariant mode; DSPARK_INVARIANT_ATTENTION=1 does too on CUDA (the benchmarks' switch, used by the
-        # commands in docs/benchmarks.md). Not the default: session 50 measured its cost in the engine (config.py).
+        # EngineConfig.invariant_attention (--invariant-attention; DSPARK_INVARIANT_ATTENTION=1 on CUDA) asks for
+        # this attention without the rest of batch-invariant mode. Not the default: session 50 measured its cost in
+        # the engine (config.py).
         keys = invariant_split_keys(max_model_len)
-        if batch_invariant or (device.type == "cuda" and os.environ.get("DSPARK_INVARIANT_ATTENTION") == "1"):
+        if batch_invariant:
             self._fixed = {"split_keys": keys, "block_n": 64, "rowsum_mma": True}
             if device.type != "cuda":
                 self._fixed["block_m"] = 64

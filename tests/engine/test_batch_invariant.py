@@ -96,6 +96,17 @@ def test_needs_the_triton_backend():
     assert EngineConfig(invariant_attention=True, attention_backend="triton").invariant_attention
 
 
+def test_invariant_attention_environment_switch(monkeypatch):
+    """DSPARK_INVARIANT_ATTENTION=1 (the benchmark commands' switch) turns invariant_attention on for CUDA engines
+    on the triton backend, and nowhere else (a CPU engine keeps the plain launch)."""
+    monkeypatch.setenv("DSPARK_INVARIANT_ATTENTION", "1")
+    assert EngineConfig(device="cuda", attention_backend="triton").invariant_attention
+    assert not EngineConfig(device="cuda", attention_backend="torch").invariant_attention
+    assert not EngineConfig(device="cpu", attention_backend="triton").invariant_attention
+    monkeypatch.setenv("DSPARK_INVARIANT_ATTENTION", "0")
+    assert not EngineConfig(device="cuda", attention_backend="triton").invariant_attention
+
+
 def test_invariant_attention_alone(models):
     """EngineConfig.invariant_attention: the attention's fixed key slices and tensor-core row sums
     (TritonAttentionBackend._fixed), the products left as by default; greedy DSpark still gives plain's tokens."""
