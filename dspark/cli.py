@@ -46,7 +46,9 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
                         "too; slower (H100: plain 0.58x at batch 1, 0.77x at batch 32); needs the triton backend")
     p.add_argument("--invariant-attention", action="store_true",
                    help="only the attention batch-invariant (fixed key slices), the products as by default: greedy "
-                        "speculative output equals plain output on the GPU as well (64/64 prompts on an H100); "
+                        "speculative output equals plain output on the GPU where the plain and verification steps "
+                        "both multiply on cuBLAS (>= 17 requests in flight; 63-64 of 64 prompts on an H100; at "
+                        "smaller batches the fused few-row kernels still round apart: --batch-invariant); "
                         "plain decoding +0.3-1 %% step time at batch 1, +6-10 %% at batch 32 (max_model_len 2,048; "
                         "~5 %% at batch 1 above 4,096); needs the triton backend")
     p.add_argument("--enforce-eager", action="store_true",

@@ -100,9 +100,12 @@ class EngineConfig:
     # attention over fixed key slices and tiles): greedy speculative output equals plain output in bf16 too.
     batch_invariant: bool = False
     # True: only the attention batch-invariant (batch_invariant's fixed key slices and tensor-core row sums), the
-    # products as by default. On a GPU the verification step then rounds a row as the decode step does, so greedy
-    # DSpark output equals plain output on the embedded model's test (64 of 64 prompts x 128 tokens, H100,
-    # session 47, against 19 of 64 without). Cost (session 50, engine steps at 1k context, max_model_len 2,048):
+    # products as by default. On a GPU the verification step then rounds a row as the decode step does wherever
+    # both steps multiply on cuBLAS (steps of > 16 rows: >= 17 requests decoding), so greedy DSpark output equals
+    # plain output on the embedded model's test (64 prompts x 128 tokens at once: 64 of 64 in session 47, 63 of
+    # 64 in session 51, against 19 of 64 without; H100). Below that the decode step runs the fused GEMV / few-row
+    # kernels, which round apart from the verification step's (bench, batch 1: outputs differ; batch_invariant
+    # holds at every batch). Cost (session 50, engine steps at 1k context, max_model_len 2,048):
     # plain decode +0.3-1.0 % at batch 1 and +6-10 % at batch 32, verification -2 % at batch 1 and +6-10 % at
     # batch 8-32; at a max_model_len over 4,096 the key slices grow to 128 keys and batch 1 costs ~5 %.
     invariant_attention: bool = False

@@ -61,6 +61,8 @@ PAIRS = {  # name -> (system a, system b, label)
     # --hf-control-batch-size: HF against itself at another batch size (a yardstick, not a floor)
     "hf_vs_hf": ("hf", "hf_control", "HF vs HF at another batch size"),
 }
+SYSTEM_LABELS = {"dspark_spec": "dspark + DSpark", "dspark_plain": "dspark", "hf": "HF",
+                 "hf_control": "HF (control batch)"}
 DEVICE_DEFAULTS = {
     "cuda": dict(num_prompts=64, max_tokens=128, max_prompt_tokens=1024),
     "cpu": dict(num_prompts=4, max_tokens=32, max_prompt_tokens=256),
@@ -149,6 +151,10 @@ def summarize(records: list[dict], pair: str, threshold: float) -> dict:
                 threshold=threshold, passed=None if frac is None else frac >= threshold,
                 near_tie_divergences=sum(1 for c in div if c.get("near_tie") is True),
                 other_divergences=sum(1 for c in div if c.get("near_tie") is not True),
+                # whose token the fp32 reference ranks first at each divergence: with bf16 near-ties, the system
+                # that picks the fp32 argmax more often rounds closer to fp32 (a: the pair's first system)
+                reference_argmax={k: sum(1 for c in div if (c.get("reference") or {}).get("argmax_is") == k)
+                                  for k in ("a", "b", "neither")},
                 first_divergence_positions=[c["position"] for c in div])
 
 
@@ -171,6 +177,12 @@ def format_report(res: dict) -> str:
         lines.append(f"{s['label']:<40}{s['identical']:>5}/{s['compared']:<5}{100 * frac:>9.1f}%"
                      f"{100 * s['threshold']:>6.0f}%  {'PASS' if s['passed'] else 'MISS'}"
                      f" ({s['near_tie_divergences']} near-tie, {s['other_divergences']} other divergences)")
+    for pair, s in res["summary"].items():
+        ref = (s or {}).get("reference_argmax")
+        if ref and sum(ref.values()):
+            a, b = (SYSTEM_LABELS.get(x, x) for x in PAIRS[pair][:2])
+            lines.append(f"  {s['label']}: at the divergences the fp32 reference's argmax is {a}'s token in "
+                         f"{ref['a']}, {b}'s in {ref['b']}, neither in {ref['neither']}")
     divs = [(r, pair) for r in res["records"] for pair in PAIRS if r.get(pair) and not r[pair]["identical"]]
     if divs:
         lines += ["", f"divergences (gap: fp32 reference logits at the first diverging position; near-tie if "

@@ -82,7 +82,9 @@ def test_reference_gap_and_summary_and_report(tiny_checkpoints):
     s = summarize(records, "plain_vs_hf", 0.95)
     assert (s["compared"], s["identical"], s["fraction_identical"], s["passed"]) == (2, 1, 0.5, False)
     assert s["other_divergences"] == 1 and s["near_tie_divergences"] == 0 and s["first_divergence_positions"] == [2]
+    assert s["reference_argmax"] == {"a": 0, "b": 0, "neither": 1}  # the reference's argmax is order[0]
     assert summarize(records, "spec_vs_plain", 0.95)["passed"] is True
     text = format_report(dict(summary={p: summarize(records, p, 0.95) for p in PAIRS}, records=records,
                               near_tie_gap=0.5))
     assert "PASS" in text and "MISS" in text and "plain_vs_hf" in text and f"{ref['pair_gap']:.3f}" in text
+    assert "argmax is dspark's token in 0, HF's in 0, neither in 1" in text
