@@ -1,4 +1,4 @@
-"""Few-row (``M <= 16``) tensor-core products of a decoder layer with the RMSNorms and SwiGLU moved into
+"""Few-row (``M <= 64``, in one row tile of 16, 32 or 64) tensor-core products of a decoder layer with the RMSNorms and SwiGLU moved into
 their epilogues, each with its PyTorch reference.
 
 Why: a verification step at batch 1 (1 + 7 rows) runs each layer as cuBLAS GEMMs plus two add_rms_norm
@@ -49,8 +49,16 @@ from dspark.kernels.fused_ops import (
     silu_mul_rounded,
 )
 
-MAX_ROWS = 16  # one 16-row MMA tile
-BM = 16
+MAX_ROWS = 64  # what the kernels take: the rows in one tile of 16, 32 or 64 (row_tile)
+BM = 16  # the row tile of steps of up to 16 rows (row_tile)
+# The steps the engine gives these kernels (LlamaForCausalLM.fewrow_max_rows, DSparkProposer's block pass): up to
+# 64 rows, so a verification at batch 1-8 and plain decoding at batch 2-64 run 5 launches per layer instead of
+# cuBLAS and the unfused layer's 9. Session 35 measured 16 rows (one tile); session 51 (H100) the tiles of 32 and
+# 64 rows with the same launch settings: per layer (products, norms, SwiGLU, RoPE; fewrow_chain_bench.py) 23.2
+# against cuBLAS's 25.8 µs at 32 rows and 23.5 against 26.3 at 64 (8 warps: slower), in the engine's step graphs
+# (gpu_graphs_check.py steps, 1k context) plain decode at batch 32 1.274 -> 1.205 ms and verification at batch 8
+# 1.130 -> 1.035 ms, every other step unchanged. DSPARK_FEWROW_MAX_ROWS=16 restores the old limit.
+ENGINE_MAX_ROWS = min(MAX_ROWS, int(os.environ.get("DSPARK_FEWROW_MAX_ROWS", "64")))
 TARGET_PROGRAMS = 128  # about the SM count (H200: 132): programs wanted for split-K
 
 
@@ -303,7 +311,7 @@ def workspace(device: torch.device, floats: int = 1 << 20, counters: int = 4096)
 
 # ----------------------------------------------------------------------------------- wrappers
 class SumSq:
-    """Per-tile sums of squares of the rows of ``s`` ``[tiles, 16]`` (fp32), written by linear_residual:
+    """Per-tile sums of squares of the rows of ``s`` ``[tiles, row_tile(rows)]`` (fp32), written by linear_residual:
     what a consumer needs to apply RMSNorm(s) after its product."""
 
     __slots__ = ("partials", "hidden")
@@ -311,6 +319,12 @@ class SumSq:
     def __init__(self, partials: Tensor, hidden: int) -> None:
         self.partials = partials
         self.hidden = hidden
+
+
+def row_tile(rows: int) -> int:
+    """The kernels' row tile for a step of ``rows`` rows (one tile holds them all): 16, 32 or 64. The
+    producer of a SumSq and its consumer see the same rows, so they agree on its [tiles, row_tile] layout."""
+    return max(BM, next_pow2(rows))
 
 
 def _rows(x: Tensor, K: int, name: str) -> Tensor:
@@ -333,12 +347,13 @@ def _launch(a, w_t, y, N, up, cfg, sumsq=None, eps=0.0, residual=None, z=None, g
             rope=None):
     M, K = a.shape
     dummy = a
+    bm = row_tile(M)
     r = rope or {}
     n_pin = sumsq.partials.shape[0] if sumsq is not None else 0
     n_tiles = triton.cdiv(N, cfg["BLOCK_N"])
     ws = cnt = dummy
     if cfg["SPLIT"] > 1:
-        w = workspace(a.device, cfg["SPLIT"] * n_tiles * 2 * BM * cfg["BLOCK_N"], n_tiles)
+        w = workspace(a.device, cfg["SPLIT"] * n_tiles * 2 * bm * cfg["BLOCK_N"], n_tiles)
         ws, cnt = w.ws, w.cnt
     _fewrow_kernel[(n_tiles, cfg["SPLIT"])](
         a, a.stride(0), w_t, w_t.stride(0), w_t.stride(1), y, y.stride(0),
@@ -352,24 +367,27 @@ def _launch(a, w_t, y, N, up, cfg, sumsq=None, eps=0.0, residual=None, z=None, g
         r.get("q_size", 0), r.get("kv_size", 0),
         M, K, N, up, cfg["K_PER"],
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], NUM_STAGES=cfg["NUM_STAGES"], P_PAD=next_pow2(max(n_pin, 1)),
-        SPLIT=cfg["SPLIT"], BM=BM, SCALE=sumsq is not None, GATE_UP=gate_up, RESID=residual is not None,
+        SPLIT=cfg["SPLIT"], BM=bm, SCALE=sumsq is not None, GATE_UP=gate_up, RESID=residual is not None,
         HAS_G=g is not None, PRECISE=a.device.type == "cuda", IEEE=a.dtype == torch.float32 or a.device.type != "cuda",
         ROPE=rope is not None, D=r.get("D", 2), QK_NORM=r.get("q_norm") is not None,
         num_warps=cfg["num_warps"], **_launch_opts(a),
     )
 
 
-def _check_sumsq(sumsq: SumSq | None, K: int) -> None:
+def _check_sumsq(sumsq: SumSq | None, K: int, rows: int) -> None:
     if sumsq is not None and sumsq.hidden != K:
         raise ValueError(f"the sums of squares are over {sumsq.hidden} columns, the product's K is {K}")
+    if sumsq is not None and sumsq.partials.shape[1] != row_tile(rows):
+        raise ValueError(f"the sums of squares were made for row tiles of {sumsq.partials.shape[1]}, "
+                         f"the product's {rows} rows take tiles of {row_tile(rows)}")
 
 
 def linear(x: Tensor, w_t: Tensor, sumsq: SumSq | None = None, eps: float = 0.0, **config) -> Tensor:
-    """``x @ w_t`` in x's dtype for at most 16 rows; with ``sumsq`` (x = z = g * s of a linear_residual)
+    """``x @ w_t`` in x's dtype for at most MAX_ROWS rows; with ``sumsq`` (x = z = g * s of a linear_residual)
     the product times ``1 / rms(s)``, i.e. ``rms_norm(s, g) @ w_t``."""
     K, N = _weight(x, w_t)
     a = _rows(x, K, "x")
-    _check_sumsq(sumsq, K)
+    _check_sumsq(sumsq, K, a.shape[0])
     y = torch.empty(a.shape[0], N, dtype=x.dtype, device=x.device)
     if a.shape[0]:
         _launch(a, w_t, y, N, 0, fewrow_config(K, N, **config), sumsq=sumsq, eps=eps)
@@ -383,7 +401,7 @@ def gate_up_silu(x: Tensor, w_t: Tensor, sumsq: SumSq | None = None, eps: float 
     if N2 % 2:
         raise ValueError(f"w_t has {N2} columns: a fused gate|up weight needs an even count")
     a = _rows(x, K, "x")
-    _check_sumsq(sumsq, K)
+    _check_sumsq(sumsq, K, a.shape[0])
     I = N2 // 2
     y = torch.empty(a.shape[0], I, dtype=x.dtype, device=x.device)
     if a.shape[0]:
@@ -407,7 +425,7 @@ def linear_residual(x: Tensor, w_t: Tensor, residual: Tensor, norm_weight: Tenso
     tiles = triton.cdiv(N, cfg["BLOCK_N"])
     s = torch.empty(a.shape[0], N, dtype=x.dtype, device=x.device)
     z = torch.empty_like(s) if norm_weight is not None else None
-    partials = torch.empty(tiles, BM, dtype=torch.float32, device=x.device)  # every program writes all 16 rows
+    partials = torch.empty(tiles, row_tile(a.shape[0]), dtype=torch.float32, device=x.device)  # every program writes its tile's rows
     if a.shape[0]:
         _launch(a, w_t, s, N, 0, cfg, residual=r, z=z, g=norm_weight, pout=partials)
     return s, z, SumSq(partials, N)
@@ -434,7 +452,7 @@ def qkv_rope_cache(x: Tensor, w_t: Tensor, sumsq: SumSq | None, eps: float, posi
     the rotated q ``[rows, num_heads, D]``. One launch instead of two; BLOCK_N is half a head."""
     K, N = _weight(x, w_t)
     a = _rows(x, K, "x")
-    _check_sumsq(sumsq, K)
+    _check_sumsq(sumsq, K, a.shape[0])
     M = a.shape[0]
     if N % (num_heads + 2 * num_kv_heads):
         raise ValueError(f"w_t has {N} columns: not (num_heads + 2 * num_kv_heads) = "
@@ -481,7 +499,7 @@ def norm_input(h: Tensor, norm_weight: Tensor) -> tuple[Tensor, SumSq]:
     """``(z, sumsq)`` for rows h that no linear_residual produced (the embeddings): eager torch ops, for
     tests and references; the engine norms its first layer's input with fused_ops.add_rms_norm."""
     hf = h.float()
-    partials = torch.zeros(1, BM, dtype=torch.float32, device=h.device)
+    partials = torch.zeros(1, row_tile(h.shape[0]), dtype=torch.float32, device=h.device)
     partials[0, : h.shape[0]] = (hf * hf).sum(-1)
     return (hf * norm_weight.float()).to(h.dtype), SumSq(partials, h.shape[1])
 
@@ -502,6 +520,6 @@ def linear_residual_reference(x: Tensor, w_t: Tensor, residual: Tensor) -> Tenso
 
 
 __all__ = [
-    "MAX_ROWS", "SumSq", "fewrow_config", "gate_up_silu", "o_proj_and_mlp", "gate_up_silu_reference", "linear", "linear_reference",
+    "ENGINE_MAX_ROWS", "MAX_ROWS", "SumSq", "row_tile", "fewrow_config", "gate_up_silu", "o_proj_and_mlp", "gate_up_silu_reference", "linear", "linear_reference",
     "linear_residual", "linear_residual_reference", "norm_input", "qkv_rope_cache", "qkv_rope_cache_reference",
 ]

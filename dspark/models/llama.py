@@ -57,7 +57,7 @@ SMALL_M_GEMV = {"1": True, "0": False}.get(os.environ.get("DSPARK_SMALL_M_GEMV",
 # also lost were deleted; sessions 21, 32 and 33 measured four more few-row designs, none faster in the
 # engine: kernels/gemv.py's docstring)
 GEMV_MAX_ROWS = int(os.environ.get("DSPARK_GEMV_MAX_ROWS", "1"))
-# Steps of 2-16 rows (a batch-1 or -2 verification block, decode at batch 2-16) on kernels/fewrow.py:
+# Steps of 2-64 rows (a verification block at batch 1-8, decode at batch 2-64; fewrow.ENGINE_MAX_ROWS) on kernels/fewrow.py:
 # tensor-core products with the residual adds, RMSNorms and SwiGLU in their epilogues (6 launches per
 # layer instead of 9, with RoPE + the K/V write in the qkv epilogue 5; DecoderLayer.forward_fewrow).
 # DSPARK_FEWROW=1 on everywhere, =0 off; unset, on for CUDA tensors only (CPU tests turn it on explicitly).
@@ -179,7 +179,7 @@ class DecoderLayer(nn.Module):
     def forward_fewrow(self, x: torch.Tensor, h: torch.Tensor, sumsq, next_norm: torch.Tensor | None,
                        positions: torch.Tensor, rope: RotaryEmbedding, backend: TritonAttentionBackend,
                        meta: TritonAttentionMetadata, kv: torch.Tensor, rope_in_attention: bool = False):
-        """forward_fused for 2-16 rows on kernels/fewrow.py. Takes ``x``, this layer's normed input in the
+        """forward_fused for 2-64 rows (fewrow_max_rows) on kernels/fewrow.py. Takes ``x``, this layer's normed input in the
         form the previous layer left it (``z = g * h`` with its sums of squares ``sumsq``; for layer 0 the
         normed embeddings and None), and ``h``, the layer's input (the residual stream). Returns ``(z, h',
         sumsq')``: h' this layer's output (its tap) and z = next_norm * h' for the next layer (None
@@ -283,9 +283,10 @@ class LlamaForCausalLM(nn.Module):
         self.small_m_gemv: bool | None = SMALL_M_GEMV
         self.gemv_max_rows = GEMV_MAX_ROWS
         self.small_m_gemv_plain = SMALL_M_GEMV_PLAIN  # o_proj / down_proj on the GEMV too
-        # steps of up to fewrow.MAX_ROWS rows not taken by the GEMVs on kernels/fewrow.py (fused forward
+        # steps of up to fewrow_max_rows rows not taken by the GEMVs on kernels/fewrow.py (fused forward
         # only; see FEWROW); None: on CUDA only
         self.fewrow: bool | None = FEWROW
+        self.fewrow_max_rows: int | None = None  # None: fewrow.ENGINE_MAX_ROWS (64; DSPARK_FEWROW_MAX_ROWS)
 
     def forward(
         self,
@@ -327,7 +328,8 @@ class LlamaForCausalLM(nn.Module):
         T = input_ids.shape[0]
         on = input_ids.is_cuda if self.small_m_gemv is None else self.small_m_gemv
         gemv = on and T <= self.gemv_max_rows
-        few = (input_ids.is_cuda if self.fewrow is None else self.fewrow) and T <= fewrow.MAX_ROWS
+        few = (input_ids.is_cuda if self.fewrow is None else self.fewrow) and T <= min(
+            fewrow.MAX_ROWS, self.fewrow_max_rows or fewrow.ENGINE_MAX_ROWS)
         if gemv and all(layer.gemv_ready() for layer in self.layers):
             x, residual = self.embed_tokens(input_ids), None  # layer 0 norms the embeddings in its qkv GEMV
             for i, layer in enumerate(self.layers):

@@ -53,7 +53,7 @@ class DSparkProposer:
         # True (the engine's attention backend is "triton"): draft with the Triton kernels (context
         # K/V store, shared-tile block attention, fused Markov sampler); False: the PyTorch path below.
         self.use_triton = use_triton
-        # With use_triton: block passes of up to 16 rows (batch 1-2 x block 7) on kernels/fewrow.py, as the
+        # With use_triton: block passes of up to fewrow.ENGINE_MAX_ROWS rows (64: batch 1-8 x block 8) on kernels/fewrow.py, as the
         # target's verification (DecoderLayer.forward_fewrow): 3 launches fewer per drafter layer. H200,
         # session 36 (benchmarks/gpu_graphs_check.py steps): the batch-1 drafter graph 0.2005 -> 0.1934 ms
         # (sampled drafts 0.2119 -> 0.2044). DSPARK_FEWROW_DRAFTER=1 on everywhere, =0 off; unset (None), on
@@ -179,7 +179,7 @@ class DSparkProposer:
         mask), the residual adds are fused into the next RMSNorm (add_rms_norm, as the target's
         forward_fused), q/k norm + RoPE is one kernel (rope_qk), SwiGLU one (silu_and_mul). Per layer:
         4 GEMMs + 5 kernels; the same roundings as the PyTorch path (the kernels' tests check them).
-        With ``fewrow`` and at most 16 rows: kernels/fewrow.py's products (norms after the product, SwiGLU
+        With ``fewrow`` and at most fewrow.ENGINE_MAX_ROWS rows: kernels/fewrow.py's products (norms after the product, SwiGLU
         and the residual adds in their epilogues), 4 products + 2 kernels per layer; the norms round
         differently (see kernels/fewrow.py), so drafts match the other path up to near-ties."""
         from dspark.kernels import fewrow
@@ -194,7 +194,7 @@ class DSparkProposer:
         pos = (anchor_pos[:, None] + torch.arange(G, device=anchors.device)[None, :]).reshape(-1)
         norm = d.layers[0].input_layernorm if len(d.layers) else d.norm
         x, h = add_rms_norm(h, None, norm.weight, norm.eps)
-        few = (self.fewrow if self.fewrow is not None else anchors.is_cuda) and B * G <= fewrow.MAX_ROWS and all(
+        few = (self.fewrow if self.fewrow is not None else anchors.is_cuda) and B * G <= fewrow.ENGINE_MAX_ROWS and all(
             lin.bias is None and not lin.batch_invariant for layer in d.layers
             for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj))
         sumsq = None  # few: the sums of squares behind x (None: x is normed already)

@@ -116,8 +116,9 @@ def test_invariant_attention_alone(models):
     runner = llm.engine.runner
     assert runner.backend._fixed == {"split_keys": 64, "block_n": 64, "rowsum_mma": True, "block_m": 64}
     assert not any(m.batch_invariant for m in runner.model.modules() if isinstance(m, Linear))
+    assert runner.model.fewrow_max_rows == 16  # steps of 17-64 rows multiply on cuBLAS, as their verification does
     p = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     got = llm.generate([[5, 9, 200, 31]], p)[0].token_ids
     plain = LLM(str(target), device="cpu", block_size=4, num_kv_blocks=64, attention_backend="triton")
-    assert plain.engine.runner.backend._fixed == {}
+    assert plain.engine.runner.backend._fixed == {} and plain.engine.runner.model.fewrow_max_rows is None
     assert got == plain.generate([[5, 9, 200, 31]], p)[0].token_ids

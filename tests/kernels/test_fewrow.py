@@ -57,7 +57,8 @@ def _normed_bound(s, nw, w):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("split", [1, 3])
-@pytest.mark.parametrize("M,K,N", [(1, 576, 960), (8, 100, 50), (16, 64, 16), (5, 256, 70)])
+@pytest.mark.parametrize("M,K,N", [(1, 576, 960), (8, 100, 50), (16, 64, 16), (5, 256, 70), (24, 96, 40),
+                                   (64, 64, 48)])
 def test_linear_with_norm(M: int, K: int, N: int, split: int, dtype: torch.dtype) -> None:
     s, nw, w, _ = _data(M, K, N, dtype, seed=M + K)
     z, ss = fr.norm_input(s, nw)
@@ -71,7 +72,7 @@ def test_linear_with_norm(M: int, K: int, N: int, split: int, dtype: torch.dtype
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("split", [1, 2])
-@pytest.mark.parametrize("M,K,I", [(8, 576, 96), (3, 128, 40)])
+@pytest.mark.parametrize("M,K,I", [(8, 576, 96), (3, 128, 40), (40, 64, 32)])
 def test_gate_up_silu(M: int, K: int, I: int, split: int, dtype: torch.dtype) -> None:
     s, nw, w, _ = _data(M, K, 2 * I, dtype, seed=I, output_major=True)
     z, ss = fr.norm_input(s, nw)
@@ -86,7 +87,7 @@ def test_gate_up_silu(M: int, K: int, I: int, split: int, dtype: torch.dtype) ->
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("split", [1, 4])
-@pytest.mark.parametrize("M,K,N", [(8, 1536 // 4, 576 // 4), (16, 96, 48), (2, 64, 33)])
+@pytest.mark.parametrize("M,K,N", [(8, 1536 // 4, 576 // 4), (16, 96, 48), (2, 64, 33), (17, 64, 48), (64, 96, 32)])
 def test_linear_residual(M: int, K: int, N: int, split: int, dtype: torch.dtype) -> None:
     """s = round(x @ W) + residual exactly as the reference rounds it (fp32 sums in another order: compared
     to the reference computed from the kernel's own rounded product); z = g * s; the sums of squares."""
@@ -97,7 +98,7 @@ def test_linear_residual(M: int, K: int, N: int, split: int, dtype: torch.dtype)
     _assert_close(prod, (x.float() @ w.float()).to(dtype), x.float().abs() @ w.float().abs())
     assert torch.equal(s, prod + res)  # the eager add in the dtype, on the same rounded product
     assert torch.equal(z, (s.float() * g.float()).to(dtype))
-    assert ss.hidden == N and ss.partials.shape == (fr.triton.cdiv(N, 16), fr.BM)
+    assert ss.hidden == N and ss.partials.shape == (fr.triton.cdiv(N, 16), fr.row_tile(M))
     assert torch.allclose(ss.partials.sum(0)[:M], (s.float() ** 2).sum(-1), rtol=1e-5)
     assert not ss.partials[:, M:].any()  # rows past M contribute nothing
     s2, z2, _ = fr.linear_residual(x, w, res, None, block_n=16, block_k=32, split=split)
@@ -147,12 +148,13 @@ def test_qkv_rope_cache_equals_linear_then_rope_qk_cache(dtype, qk_norm: bool, s
         fr.qkv_rope_cache(z, w, ss, EPS, pos[:3], rope.cos, rope.sin_signed, caches[0], caches[1], slots, Hq, Hkv)
 
 
-def test_a_layer_chain_matches_the_unfused_layer() -> None:
+@pytest.mark.parametrize("M", [6, 40])
+def test_a_layer_chain_matches_the_unfused_layer(M: int) -> None:
     """o_proj -> gate_up -> down as a layer chains them: the sums of squares travel from each
-    linear_residual to the next product (fp32)."""
+    linear_residual to the next product (fp32); 40 rows: row tiles of 64 all along."""
     from dspark.kernels.fused_ops import add_rms_norm_reference, silu_and_mul_reference
 
-    M, H, I = 6, 64, 96
+    H, I = 64, 96
     gen = torch.Generator().manual_seed(5)
     h = torch.randn(M, H, generator=gen)
     attn = torch.randn(M, H, generator=gen)
@@ -195,8 +197,12 @@ def test_bad_inputs() -> None:
     z, ss = fr.norm_input(s, nw)
     with pytest.raises(ValueError, match=r"expected \[rows, 64\]"):
         fr.linear(s[:, :60], w)
-    with pytest.raises(ValueError, match="at most 16"):
-        fr.linear(torch.zeros(17, 64), w)
+    with pytest.raises(ValueError, match="at most 64"):
+        fr.linear(torch.zeros(65, 64), w)
+    with pytest.raises(ValueError, match="made for row tiles of 16, the product's 20 rows take tiles of 32"):
+        fr.linear(torch.zeros(20, 64), w, ss)  # sums of squares of 4 rows, a product of 20
+    assert [fr.row_tile(m) for m in (1, 16, 17, 32, 33, 64)] == [16, 16, 32, 32, 64, 64]
+    assert fr.ENGINE_MAX_ROWS == 64  # the engine's steps of up to 64 rows (DSPARK_FEWROW_MAX_ROWS)
     with pytest.raises(ValueError, match="dtype"):
         fr.linear(s, w.to(torch.bfloat16))
     with pytest.raises(ValueError, match="sums of squares are over 64 columns"):
@@ -214,12 +220,14 @@ def test_bad_inputs() -> None:
 
 # ----------------------------------------------------------------------- the model's fused forward
 @torch.inference_mode()
-def _step(model, backend, few: bool, dtype):
-    """T = 8 rows: two decodes, a verification block of 1 + 4 rows, a padding request."""
+def _step(model, backend, few: bool, dtype, rows: int = 8):
+    """T = 8 rows: two decodes, a verification block of 1 + 4 rows, a padding request (rows 20: and a
+    verification block of 12 rows)."""
     from tests.layers.test_triton_attention import ragged_layout
 
     cfg = model.config
-    layout, num_blocks = ragged_layout([12, 9, 30], [1, 1, 5], page=4, pad_requests=1, seed=2)
+    seqs, qs = ([12, 9, 30], [1, 1, 5]) if rows == 8 else ([12, 9, 30, 20], [1, 1, 5, 12])
+    layout, num_blocks = ragged_layout(seqs, qs, page=4, pad_requests=1, seed=2)
     T = layout.query_start_loc[-1]
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, cfg.vocab_size, (T,), generator=g)
@@ -246,10 +254,11 @@ def model_case(request, tmp_path_factory):
     return request.param, path, taps
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_fused_forward_fewrow_matches_gemm_path(model_case, dtype, monkeypatch) -> None:
+@pytest.mark.parametrize("dtype,rows", [(torch.float32, 8), (torch.bfloat16, 8), (torch.float32, 20)])
+def test_fused_forward_fewrow_matches_gemm_path(model_case, dtype, rows, monkeypatch) -> None:
     """Hidden states, taps (each layer's raw output) and K/V caches of the few-row path equal the GEMM
-    path's up to the norm's roundings; the path runs for every layer."""
+    path's up to the norm's roundings; the path runs for every layer. 20 rows: with fewrow_max_rows 64
+    (row tiles of 32)."""
     from dspark.models.llama import DecoderLayer
     from tests.models.test_fused_forward import RefAttentionBackend, assert_close, build_model
 
@@ -258,13 +267,15 @@ def test_fused_forward_fewrow_matches_gemm_path(model_case, dtype, monkeypatch) 
         pytest.skip("bf16 on one architecture is enough")
     model = build_model(path, taps, dtype)
     backend = RefAttentionBackend("cpu")
-    want = _step(model, backend, False, dtype)
+    if rows > 16 and arch != "llama":
+        pytest.skip("more rows on one architecture is enough")
+    want = _step(model, backend, False, dtype, rows)
     calls = []
     orig = DecoderLayer.forward_fewrow
     monkeypatch.setattr(DecoderLayer, "forward_fewrow", lambda self, *a, **k: calls.append(1) or orig(self, *a, **k))
-    got = _step(model, backend, True, dtype)
+    got = _step(model, backend, True, dtype, rows)
     assert len(calls) == model.config.num_hidden_layers
-    assert got[1].shape == want[1].shape == (8, len(taps) * model.config.hidden_size)
+    assert got[1].shape == want[1].shape == (rows, len(taps) * model.config.hidden_size)
     tol = 1e-5 if dtype == torch.float32 else 2**-5
     for g, w in zip(got, want):
         assert_close(g, w, tol)
@@ -280,12 +291,13 @@ def test_fewrow_off_for_many_rows_biases_and_batch_invariant(model_case, monkeyp
         pytest.skip("one architecture is enough")
 
     def fail(*a, **k):
-        raise AssertionError("forward_fewrow with more than 16 rows, a bias or batch-invariant Linears")
+        raise AssertionError("forward_fewrow with more than fewrow_max_rows rows, a bias or batch-invariant Linears")
 
     monkeypatch.setattr(DecoderLayer, "forward_fewrow", fail)
     model = build_model(path, taps)
-    model.small_m_gemv, model.fewrow = False, True
+    model.small_m_gemv, model.fewrow, model.fewrow_max_rows = False, True, 16  # --invariant-attention's limit
     assert run_step(model, RefAttentionBackend("cpu"), fused=True)[0].shape[0] > 16
+    model.fewrow_max_rows = None
     model.layers[0].self_attn.o_proj.bias = torch.nn.Parameter(torch.zeros(model.config.hidden_size),
                                                                requires_grad=False)
     _step(model, RefAttentionBackend("cpu"), True, torch.float32)

@@ -123,7 +123,7 @@ def test_proposals_match_pytorch_path(name, proposer):
 
 @pytest.mark.parametrize("name", ["greedy-b1", "sampled-t1-b3"])
 def test_fewrow_block_pass_matches_pytorch_path(name, proposer, monkeypatch):
-    """The few-row block pass (DSparkProposer.fewrow, on CUDA by default; kernels/fewrow.py, at most 16 rows: 5 and 15 here) drafts what
+    """The few-row block pass (DSparkProposer.fewrow, on CUDA by default; kernels/fewrow.py, at most fewrow.ENGINE_MAX_ROWS rows: 5 and 15 here) drafts what
     the PyTorch path drafts (fp32: the norms' other rounding order is ~1e-7)."""
     from dspark.kernels import fewrow
 
