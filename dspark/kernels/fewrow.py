@@ -1,4 +1,4 @@
-"""Few-row (``M <= 64``, in one row tile of 16, 32 or 64) tensor-core products of a decoder layer with the RMSNorms and SwiGLU moved into
+"""Few-row (``M <= 128``, in one row tile of 16 to 128 rows) tensor-core products of a decoder layer with the RMSNorms and SwiGLU moved into
 their epilogues, each with its PyTorch reference.
 
 Why: a verification step at batch 1 (1 + 7 rows) runs each layer as cuBLAS GEMMs plus two add_rms_norm
@@ -49,7 +49,7 @@ from dspark.kernels.fused_ops import (
     silu_mul_rounded,
 )
 
-MAX_ROWS = 64  # what the kernels take: the rows in one tile of 16, 32 or 64 (row_tile)
+MAX_ROWS = 128  # what the kernels take: the rows in one tile of 16, 32, 64 or 128 (row_tile)
 BM = 16  # the row tile of steps of up to 16 rows (row_tile)
 # The steps the engine gives these kernels (LlamaForCausalLM.fewrow_max_rows, DSparkProposer's block pass): up to
 # 64 rows, so a verification at batch 1-8 and plain decoding at batch 2-64 run 5 launches per layer instead of
@@ -57,7 +57,9 @@ BM = 16  # the row tile of steps of up to 16 rows (row_tile)
 # 64 rows with the same launch settings: per layer (products, norms, SwiGLU, RoPE; fewrow_chain_bench.py) 23.2
 # against cuBLAS's 25.8 µs at 32 rows and 23.5 against 26.3 at 64 (8 warps: slower), in the engine's step graphs
 # (gpu_graphs_check.py steps, 1k context) plain decode at batch 32 1.274 -> 1.205 ms and verification at batch 8
-# 1.130 -> 1.035 ms, every other step unchanged. DSPARK_FEWROW_MAX_ROWS=16 restores the old limit.
+# 1.130 -> 1.035 ms, every other step unchanged. DSPARK_FEWROW_MAX_ROWS=16 restores the old limit; =128 lets
+# steps of 65-128 rows (a verification at batch 9-16 greedy, or batch 32 at temperature 1 with 3 drafts) take
+# 128-row tiles: checked on the CPU only, not yet timed on a GPU, so not the default.
 ENGINE_MAX_ROWS = min(MAX_ROWS, int(os.environ.get("DSPARK_FEWROW_MAX_ROWS", "64")))
 TARGET_PROGRAMS = 128  # about the SM count (H200: 132): programs wanted for split-K
 

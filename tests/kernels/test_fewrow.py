@@ -87,7 +87,8 @@ def test_gate_up_silu(M: int, K: int, I: int, split: int, dtype: torch.dtype) ->
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("split", [1, 4])
-@pytest.mark.parametrize("M,K,N", [(8, 1536 // 4, 576 // 4), (16, 96, 48), (2, 64, 33), (17, 64, 48), (64, 96, 32)])
+@pytest.mark.parametrize("M,K,N", [(8, 1536 // 4, 576 // 4), (16, 96, 48), (2, 64, 33), (17, 64, 48), (64, 96, 32),
+                                   (100, 64, 32)])
 def test_linear_residual(M: int, K: int, N: int, split: int, dtype: torch.dtype) -> None:
     """s = round(x @ W) + residual exactly as the reference rounds it (fp32 sums in another order: compared
     to the reference computed from the kernel's own rounded product); z = g * s; the sums of squares."""
@@ -148,10 +149,10 @@ def test_qkv_rope_cache_equals_linear_then_rope_qk_cache(dtype, qk_norm: bool, s
         fr.qkv_rope_cache(z, w, ss, EPS, pos[:3], rope.cos, rope.sin_signed, caches[0], caches[1], slots, Hq, Hkv)
 
 
-@pytest.mark.parametrize("M", [6, 40])
+@pytest.mark.parametrize("M", [6, 40, 120])
 def test_a_layer_chain_matches_the_unfused_layer(M: int) -> None:
     """o_proj -> gate_up -> down as a layer chains them: the sums of squares travel from each
-    linear_residual to the next product (fp32); 40 rows: row tiles of 64 all along."""
+    linear_residual to the next product (fp32); 40 and 120 rows: row tiles of 64 and 128 all along."""
     from dspark.kernels.fused_ops import add_rms_norm_reference, silu_and_mul_reference
 
     H, I = 64, 96
@@ -197,11 +198,11 @@ def test_bad_inputs() -> None:
     z, ss = fr.norm_input(s, nw)
     with pytest.raises(ValueError, match=r"expected \[rows, 64\]"):
         fr.linear(s[:, :60], w)
-    with pytest.raises(ValueError, match="at most 64"):
-        fr.linear(torch.zeros(65, 64), w)
+    with pytest.raises(ValueError, match="at most 128"):
+        fr.linear(torch.zeros(129, 64), w)
     with pytest.raises(ValueError, match="made for row tiles of 16, the product's 20 rows take tiles of 32"):
         fr.linear(torch.zeros(20, 64), w, ss)  # sums of squares of 4 rows, a product of 20
-    assert [fr.row_tile(m) for m in (1, 16, 17, 32, 33, 64)] == [16, 16, 32, 32, 64, 64]
+    assert [fr.row_tile(m) for m in (1, 16, 17, 32, 33, 64, 65, 128)] == [16, 16, 32, 32, 64, 64, 128, 128]
     assert fr.ENGINE_MAX_ROWS == 64  # the engine's steps of up to 64 rows (DSPARK_FEWROW_MAX_ROWS)
     with pytest.raises(ValueError, match="dtype"):
         fr.linear(s, w.to(torch.bfloat16))
