@@ -241,3 +241,14 @@ def test_greedy_share_makes_mixed_cells(tiny, one_thread, capsys):
                      (["--greedy-share", "0.5"], "--greedy-share needs --no-hf")):
         assert main(["bench", *common, "--prompt-source", str(source), *bad]) != 0
         assert msg in capsys.readouterr().err
+
+
+def test_greedy_difference_note_says_what_a_difference_means_per_dtype():
+    """A greedy spec-vs-plain difference: a bug in fp32, expected near-tie flips in half precision (with the
+    switches that make outputs equal)."""
+    from dspark.bench.matrix import greedy_difference_note
+
+    assert "points at a bug" in greedy_difference_note("torch.float32")
+    half = greedy_difference_note("torch.bfloat16")
+    assert "near-tie" in half and "--batch-invariant" in half and "--invariant-attention" in half
+    assert "bug" not in half
