@@ -1,5 +1,5 @@
-"""Few-row (``M <= 128``, in one row tile of 16 to 128 rows) tensor-core products of a decoder layer with the RMSNorms and SwiGLU moved into
-their epilogues, each with its PyTorch reference.
+"""Few-row (``M <= 128``, in one row tile of 16 to 128 rows) tensor-core products of a decoder layer with the
+RMSNorms and SwiGLU moved into their epilogues, each with its PyTorch reference.
 
 Why: a verification step at batch 1 (1 + 7 rows) runs each layer as cuBLAS GEMMs plus two add_rms_norm
 launches and one silu_and_mul (9-10 launches per layer); the one-row decode step folds those into its
@@ -313,8 +313,8 @@ def workspace(device: torch.device, floats: int = 1 << 20, counters: int = 4096)
 
 # ----------------------------------------------------------------------------------- wrappers
 class SumSq:
-    """Per-tile sums of squares of the rows of ``s`` ``[tiles, row_tile(rows)]`` (fp32), written by linear_residual:
-    what a consumer needs to apply RMSNorm(s) after its product."""
+    """Per-tile sums of squares of the rows of ``s`` ``[tiles, row_tile(rows)]`` (fp32), written by
+    linear_residual: what a consumer needs to apply RMSNorm(s) after its product."""
 
     __slots__ = ("partials", "hidden")
 
@@ -324,7 +324,7 @@ class SumSq:
 
 
 def row_tile(rows: int) -> int:
-    """The kernels' row tile for a step of ``rows`` rows (one tile holds them all): 16, 32 or 64. The
+    """The kernels' row tile for a step of ``rows`` rows (one tile holds them all): 16, 32, 64 or 128. The
     producer of a SumSq and its consumer see the same rows, so they agree on its [tiles, row_tile] layout."""
     return max(BM, next_pow2(rows))
 
@@ -427,7 +427,8 @@ def linear_residual(x: Tensor, w_t: Tensor, residual: Tensor, norm_weight: Tenso
     tiles = triton.cdiv(N, cfg["BLOCK_N"])
     s = torch.empty(a.shape[0], N, dtype=x.dtype, device=x.device)
     z = torch.empty_like(s) if norm_weight is not None else None
-    partials = torch.empty(tiles, row_tile(a.shape[0]), dtype=torch.float32, device=x.device)  # every program writes its tile's rows
+    # every program writes all its tile's rows
+    partials = torch.empty(tiles, row_tile(a.shape[0]), dtype=torch.float32, device=x.device)
     if a.shape[0]:
         _launch(a, w_t, s, N, 0, cfg, residual=r, z=z, g=norm_weight, pout=partials)
     return s, z, SumSq(partials, N)

@@ -57,7 +57,7 @@ SMALL_M_GEMV = {"1": True, "0": False}.get(os.environ.get("DSPARK_SMALL_M_GEMV",
 # also lost were deleted; sessions 21, 32 and 33 measured four more few-row designs, none faster in the
 # engine: kernels/gemv.py's docstring)
 GEMV_MAX_ROWS = int(os.environ.get("DSPARK_GEMV_MAX_ROWS", "1"))
-# Steps of 2-64 rows (a verification block at batch 1-8, decode at batch 2-64; fewrow.ENGINE_MAX_ROWS) on kernels/fewrow.py:
+# Steps of 2-64 rows (verification at batch 1-8, decode at batch 2-64; fewrow.ENGINE_MAX_ROWS) on kernels/fewrow.py:
 # tensor-core products with the residual adds, RMSNorms and SwiGLU in their epilogues (6 launches per
 # layer instead of 9, with RoPE + the K/V write in the qkv epilogue 5; DecoderLayer.forward_fewrow).
 # DSPARK_FEWROW=1 on everywhere, =0 off; unset, on for CUDA tensors only (CPU tests turn it on explicitly).
@@ -179,8 +179,8 @@ class DecoderLayer(nn.Module):
     def forward_fewrow(self, x: torch.Tensor, h: torch.Tensor, sumsq, next_norm: torch.Tensor | None,
                        positions: torch.Tensor, rope: RotaryEmbedding, backend: TritonAttentionBackend,
                        meta: TritonAttentionMetadata, kv: torch.Tensor, rope_in_attention: bool = False):
-        """forward_fused for 2-64 rows (fewrow_max_rows) on kernels/fewrow.py. Takes ``x``, this layer's normed input in the
-        form the previous layer left it (``z = g * h`` with its sums of squares ``sumsq``; for layer 0 the
+        """forward_fused for 2-64 rows (fewrow_max_rows) on kernels/fewrow.py. Takes ``x``, this layer's normed
+        input in the form the previous layer left it (``z = g * h`` with its sums of squares ``sumsq``; for layer 0 the
         normed embeddings and None), and ``h``, the layer's input (the residual stream). Returns ``(z, h',
         sumsq')``: h' this layer's output (its tap) and z = next_norm * h' for the next layer (None
         without ``next_norm``, the last layer, whose output the caller norms). Launches:

@@ -53,8 +53,9 @@ class DSparkProposer:
         # True (the engine's attention backend is "triton"): draft with the Triton kernels (context
         # K/V store, shared-tile block attention, fused Markov sampler); False: the PyTorch path below.
         self.use_triton = use_triton
-        # With use_triton: block passes of up to fewrow.ENGINE_MAX_ROWS rows (64: batch 1-8 x block 8) on kernels/fewrow.py, as the
-        # target's verification (DecoderLayer.forward_fewrow): 3 launches fewer per drafter layer. H200,
+        # With use_triton: block passes of up to fewrow.ENGINE_MAX_ROWS rows (64: batch 1-8 x block 8) on
+        # kernels/fewrow.py, as the target's verification (DecoderLayer.forward_fewrow): 3 launches fewer per
+        # drafter layer (batch 8, 64 rows, H100 session 51: 0.2429 -> 0.2416 ms, about even). H200,
         # session 36 (benchmarks/gpu_graphs_check.py steps): the batch-1 drafter graph 0.2005 -> 0.1934 ms
         # (sampled drafts 0.2119 -> 0.2044). DSPARK_FEWROW_DRAFTER=1 on everywhere, =0 off; unset (None), on
         # for CUDA tensors only, as the target's (models/llama.py FEWROW; CPU tests turn it on explicitly).
@@ -179,9 +180,9 @@ class DSparkProposer:
         mask), the residual adds are fused into the next RMSNorm (add_rms_norm, as the target's
         forward_fused), q/k norm + RoPE is one kernel (rope_qk), SwiGLU one (silu_and_mul). Per layer:
         4 GEMMs + 5 kernels; the same roundings as the PyTorch path (the kernels' tests check them).
-        With ``fewrow`` and at most fewrow.ENGINE_MAX_ROWS rows: kernels/fewrow.py's products (norms after the product, SwiGLU
-        and the residual adds in their epilogues), 4 products + 2 kernels per layer; the norms round
-        differently (see kernels/fewrow.py), so drafts match the other path up to near-ties."""
+        With ``fewrow`` and at most fewrow.ENGINE_MAX_ROWS rows: kernels/fewrow.py's products (norms after the
+        product, SwiGLU and the residual adds in their epilogues), 4 products + 2 kernels per layer; the norms
+        round differently (see kernels/fewrow.py), so drafts match the other path up to near-ties."""
         from dspark.kernels import fewrow
         from dspark.kernels.drafter_attention import drafter_attention
         from dspark.kernels.fused_ops import add_rms_norm, rope_qk, silu_and_mul
