@@ -333,3 +333,32 @@ def test_engine_greedy_tokens_fewrow_on_off(model_case, tmp_path_factory, monkey
                      (llm.engine.spec_stats.num_drafts, llm.engine.spec_stats.num_accepted)))
     assert runs[0] == runs[1] and runs[0][1][0] > 0 and calls
     assert bool(rope_calls) == (arch != "llama16")  # the fused RoPE epilogue from head_dim 32 on
+
+
+def test_engine_greedy_tokens_fewrow_on_off_past_16_rows(model_case, tmp_path_factory, monkeypatch) -> None:
+    """As above with six requests and a 64-token budget: verification steps of 6 x (1 + 4) rows and prefill
+    chunks beside them, so steps of 17-64 rows run on row tiles of 32 and 64 (fp32: the same greedy tokens and
+    acceptance with the few-row kernels as without)."""
+    from dspark import LLM
+    from dspark.models.llama import DecoderLayer
+    from tests.models.test_fused_forward import GREEDY, engine_case
+
+    arch, path, taps = model_case
+    if arch != "llama":
+        pytest.skip("one architecture is enough")
+    _, kw = engine_case((arch, path, taps), tmp_path_factory, f"fewrow64{arch}")
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(4, 512, (n,), generator=g).tolist() for n in (9, 3, 14, 5, 7, 11)]
+    kw = dict(kw, max_num_batched_tokens=64, num_kv_blocks=96)
+    rows = []
+    orig = DecoderLayer.forward_fewrow
+    monkeypatch.setattr(DecoderLayer, "forward_fewrow",
+                        lambda self, x, *a, **k: rows.append(x.shape[0]) or orig(self, x, *a, **k))
+    runs = []
+    for on in (False, True):
+        llm = LLM(str(path), attention_backend="triton", **kw)
+        llm.engine.runner.model.small_m_gemv, llm.engine.runner.model.fewrow = False, on
+        runs.append(([o.token_ids for o in llm.generate(prompts, GREEDY)],
+                     (llm.engine.spec_stats.num_drafts, llm.engine.spec_stats.num_accepted)))
+    assert runs[0] == runs[1] and runs[0][1][0] > 0
+    assert max(rows) > 16 and max(rows) <= 64, rows
