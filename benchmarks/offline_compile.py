@@ -11,6 +11,7 @@ Usage:
   python benchmarks/offline_compile.py --kernel dspark.kernels.drafter_attention:_drafter_attention_kernel \\
       --constexprs '{"GAMMA": 5, "G": 32, ...}' [--types '{"out_ptr": "*fp32"}'] [--warps 4] [--stages 2] [--arch 90]
   python benchmarks/offline_compile.py --drafter-seed     # the drafter kernel's default launches at seed 001's shape
+  python benchmarks/offline_compile.py --fewrow           # the few-row products' launches at row tiles 16-128
 
 Argument types, unless --types says otherwise: ``*_ptr`` -> ``*bf16``, ``qk_scale``/``scale`` -> ``fp32``, an
 UPPER_CASE name -> a constexpr (its value from --constexprs), any other -> ``i64``. Prints one JSON line per compile.
@@ -116,6 +117,42 @@ def drafter_seed_reports(arch: int = 90, sms: int = 132) -> list[dict]:
     return reports
 
 
+def fewrow_reports(arch: int = 90, row_tiles: tuple[int, ...] = (16, 32, 64, 128)) -> list[dict]:
+    """kernels/fewrow.py's four products of a SmolLM2-135M layer (qkv + RoPE + K/V write, o + residual, gate|up +
+    SwiGLU, down + residual, split-K) at their default launches (fewrow_config / qkv_rope_config), bf16, per row
+    tile: does a larger tile of the same launch spill, or lose the tensor cores?"""
+    from dspark.kernels import fewrow as fr
+
+    ptrs = {"pin_ptr": "*fp32", "pout_ptr": "*fp32", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "pos_ptr": "*i64",
+            "cos_ptr": "*fp32", "sin_ptr": "*fp32", "slot_ptr": "*i64"}
+    types = {}
+    for prm in fr._fewrow_kernel.params:
+        if prm.is_constexpr:
+            types[prm.name] = "constexpr"
+        elif prm.name.endswith("_ptr"):
+            types[prm.name] = ptrs.get(prm.name, "*bf16")
+        else:
+            types[prm.name] = "fp32" if prm.name in ("eps", "qk_eps") else "i32"
+    H, Q, I, D = 576, 960, 1536, 64
+    products = {  # name -> (config, flags)
+        "qkv_rope": (fr.qkv_rope_config(H, Q, D), dict(SCALE=True, ROPE=True, D=D)),
+        "o_resid": (fr.fewrow_config(H, H), dict(RESID=True, HAS_G=True)),
+        "gate_up_silu": (fr.fewrow_config(H, I, 2), dict(SCALE=True, GATE_UP=True)),
+        "down_resid": (fr.fewrow_config(I, H), dict(RESID=True, HAS_G=True)),
+    }
+    reports = []
+    for name, (cfg, flags) in products.items():
+        for bm in row_tiles:
+            cfg = {**cfg, "num_warps": fr.fewrow_config(H, H, rows=bm)["num_warps"]}  # the warps follow the tile
+            consts = dict(BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], NUM_STAGES=cfg["NUM_STAGES"], P_PAD=32,
+                          SPLIT=cfg["SPLIT"], BM=bm, SCALE=False, GATE_UP=False, RESID=False, HAS_G=False, PRECISE=True,
+                          IEEE=False, ROPE=False, D=2, QK_NORM=False)
+            consts.update(flags)
+            rep = compile_report(fr._fewrow_kernel, consts, types, cfg["num_warps"], cfg["NUM_STAGES"], arch)
+            reports.append({"product": name, "row_tile": bm, **rep})
+    return reports
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument("--kernel", help="module:function of a @triton.jit kernel")
@@ -126,9 +163,13 @@ def main() -> None:
     ap.add_argument("--arch", type=int, default=90, help="compute capability x10 (default 90: H100 / H200)")
     ap.add_argument("--drafter-seed", action="store_true",
                     help="the drafter kernel's default launches at seed 001's shape instead of --kernel")
+    ap.add_argument("--fewrow", action="store_true",
+                    help="kernels/fewrow.py's four SmolLM2 products at their default launches, row tiles 16-128")
     args = ap.parse_args()
     if args.drafter_seed:
         reports = drafter_seed_reports(args.arch)
+    elif args.fewrow:
+        reports = fewrow_reports(args.arch)
     elif args.kernel:
         module, _, name = args.kernel.partition(":")
         fn = getattr(importlib.import_module(module), name)

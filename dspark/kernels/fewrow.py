@@ -243,7 +243,8 @@ def _env_int(name: str) -> int | None:
 
 
 def fewrow_config(K: int, N: int, tiles: int = 1, block_n: int | None = None, block_k: int | None = None,
-                  num_warps: int | None = None, num_stages: int | None = None, split: int | None = None) -> dict:
+                  num_warps: int | None = None, num_stages: int | None = None, split: int | None = None,
+                  rows: int = 1) -> dict:
     """Launch configuration for reduction size K and N output columns (``tiles`` weight tiles per
     program: 2 for gate|up). Overrides: the arguments, else DSPARK_FEWROW_{BLOCK_N,BLOCK_K,WARPS,STAGES,SPLIT}.
 
@@ -268,7 +269,9 @@ def fewrow_config(K: int, N: int, tiles: int = 1, block_n: int | None = None, bl
     per = triton.cdiv(steps, max(1, min(sp, steps)))  # K steps per slice; no empty slice
     sp = triton.cdiv(steps, per)
     stages = num_stages or _env_int("DSPARK_FEWROW_STAGES") or min(6, max(3, per))
-    nw = num_warps or _env_int("DSPARK_FEWROW_WARPS") or 4
+    # 8 warps for 128-row tiles: at 4 the SmolLM2 products' 128-row launches spill 168-748 B per thread (sm_90,
+    # benchmarks/offline_compile.py --fewrow); at 64 rows 8 warps measured slower than 4 (session 51)
+    nw = num_warps or _env_int("DSPARK_FEWROW_WARPS") or (8 if row_tile(rows) >= 128 else 4)
     return dict(BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=stages, num_warps=nw, SPLIT=sp, K_PER=per * bk, TILES=tiles)
 
 
@@ -392,7 +395,7 @@ def linear(x: Tensor, w_t: Tensor, sumsq: SumSq | None = None, eps: float = 0.0,
     _check_sumsq(sumsq, K, a.shape[0])
     y = torch.empty(a.shape[0], N, dtype=x.dtype, device=x.device)
     if a.shape[0]:
-        _launch(a, w_t, y, N, 0, fewrow_config(K, N, **config), sumsq=sumsq, eps=eps)
+        _launch(a, w_t, y, N, 0, fewrow_config(K, N, rows=a.shape[0], **config), sumsq=sumsq, eps=eps)
     return y
 
 
@@ -407,7 +410,8 @@ def gate_up_silu(x: Tensor, w_t: Tensor, sumsq: SumSq | None = None, eps: float 
     I = N2 // 2
     y = torch.empty(a.shape[0], I, dtype=x.dtype, device=x.device)
     if a.shape[0]:
-        _launch(a, w_t, y, I, I, fewrow_config(K, I, 2, **config), sumsq=sumsq, eps=eps, gate_up=True)
+        _launch(a, w_t, y, I, I, fewrow_config(K, I, 2, rows=a.shape[0], **config), sumsq=sumsq, eps=eps,
+                gate_up=True)
     return y
 
 
@@ -423,7 +427,7 @@ def linear_residual(x: Tensor, w_t: Tensor, residual: Tensor, norm_weight: Tenso
     if norm_weight is not None and (tuple(norm_weight.shape) != (N,) or norm_weight.dtype != x.dtype):
         raise ValueError(f"norm_weight {tuple(norm_weight.shape)} {norm_weight.dtype} must be ({N},) {x.dtype}")
     r = residual if residual.stride(1) == 1 else residual.contiguous()
-    cfg = fewrow_config(K, N, **config)
+    cfg = fewrow_config(K, N, rows=a.shape[0], **config)
     tiles = triton.cdiv(N, cfg["BLOCK_N"])
     s = torch.empty(a.shape[0], N, dtype=x.dtype, device=x.device)
     z = torch.empty_like(s) if norm_weight is not None else None
@@ -476,7 +480,7 @@ def qkv_rope_cache(x: Tensor, w_t: Tensor, sumsq: SumSq | None, eps: float, posi
     sin_signed = sin_signed.to(cos.dtype)
     if sin_signed.stride() != cos.stride():
         sin_signed, cos = sin_signed.contiguous(), cos.contiguous()
-    cfg = qkv_rope_config(K, N, D, **config)
+    cfg = qkv_rope_config(K, N, D, rows=M, **config)
     q = torch.empty(M, num_heads, D, dtype=x.dtype, device=x.device)
     if M:
         rope = dict(positions=positions, cos=cos, sin=sin_signed, stride_cs=cos.stride(0), q_norm=q_norm,

@@ -187,6 +187,9 @@ def test_default_configs() -> None:
                                                     K_PER=192, TILES=2)
     assert fr.qkv_rope_config(576, 960, 64, split=1, block_n=16)["SPLIT"] == 1  # arguments win; BLOCK_N never
     assert fr.qkv_rope_config(2048, 3072, 128)["BLOCK_N"] == 64  # long K: fewrow_config's rule
+    # 128-row tiles: 8 warps (4 spill there); up to 64 rows 4
+    assert [fr.fewrow_config(576, 960, rows=m)["num_warps"] for m in (16, 64, 65, 128)] == [4, 4, 8, 8]
+    assert fr.qkv_rope_config(576, 960, 64, rows=100)["num_warps"] == 8
     # default configurations run (interpreter: one small case)
     s, nw, w, res = _data(3, 1536, 40, torch.float32, seed=1)
     out, _, _ = fr.linear_residual(s, w, res, None)
