@@ -9,6 +9,8 @@ and replayed.
 
     python3 benchmarks/fewrow_chain_bench.py OUT.json [--rows 2,8,16] [--sweep [--kinds qkvr,o,gu,d]]
 
+Rows up to kernels/fewrow.py's MAX_ROWS (128): each row count runs its row tile (fewrow.row_tile: 16-128).
+
 --sweep: each product alone (a graph of 30 launches over the 30 layers' weights) over block_n / block_k /
 split-K / stages / warps, against cuBLAS (qkvr: against cuBLAS + rope_qk_cache); the chains then use each
 product's best setting as well as the defaults.
@@ -119,7 +121,7 @@ def sweep(layers, M, only=None):
     """Each product alone, 30 launches over the 30 layers' weights."""
     a_h = torch.randn(M, H, device="cuda", dtype=torch.bfloat16)
     a_i = torch.randn(M, I, device="cuda", dtype=torch.bfloat16)
-    ss = fr.SumSq(torch.rand(1, 16, device="cuda") * 100 + 1, H)
+    ss = fr.SumSq(torch.rand(1, fr.row_tile(M), device="cuda") * 100 + 1, H)  # the step's row tile
     res = torch.randn(M, H, device="cuda", dtype=torch.bfloat16)
     g = layers[0]["g1"]
     kinds = {
@@ -141,10 +143,10 @@ def sweep(layers, M, only=None):
         K, N = (I if kind == "d" else H), {"qkvr": Q, "o": H, "gu": I, "d": H}[kind]
         block_ns = (32,) if kind == "qkvr" else (16, 32, 64) if kind == "gu" else (16, 32)
         for bn, bk, sp, st, nw in itertools.product(block_ns, (32, 64, 128, 256), (1, 2, 3, 4, 6), (3, 6), (4, 8)):
-            if (bk == 32 or nw == 8) and kind not in ("gu", "qkvr"):
-                continue  # the first sweep's space (session 35) for the products it settled
+            if (bk == 32 or (nw == 8 and M <= 16)) and kind not in ("gu", "qkvr"):
+                continue  # the first sweep's space (session 35) for the products it settled (8 warps: larger tiles)
             cfg = dict(block_n=bn, block_k=bk, split=sp, num_stages=st, num_warps=nw)
-            key = tuple(sorted(fr.fewrow_config(K, N, **cfg).items()))
+            key = tuple(sorted(fr.fewrow_config(K, N, rows=M, **cfg).items()))
             if key in seen:
                 continue
             seen.add(key)
