@@ -42,3 +42,17 @@ def test_a_launch_that_cannot_compile_reports_why():
     """BLOCK_G = 12 is not a power of two: tl.arange refuses it, as the GPU would, where the call would fail."""
     rc, rep = offline(dict(SMOL, BLOCK_G=12))
     assert rc == 1 and "arange" in rep["error"], rep
+
+
+def test_fewrow_row_tiles_compile_and_128_rows_do_not_spill():
+    """--fewrow: the four SmolLM2 products at every row tile compile for sm_90; 64- and 128-row tiles reach the
+    wgmma tensor cores; the 128-row tiles' launch (8 warps, fewrow_config(rows=)) does not spill, as 4 warps did."""
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "offline_compile.py"), "--fewrow"],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+    reps = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert r.returncode == 0 and len(reps) == 16, r.stderr[-2000:]
+    assert all("error" not in rep for rep in reps)
+    assert {rep["row_tile"] for rep in reps} == {16, 32, 64, 128}
+    assert all(rep["wgmma"] for rep in reps if rep["row_tile"] >= 64)
+    big = [rep for rep in reps if rep["row_tile"] == 128]
+    assert all(rep["num_warps"] == 8 and rep["spill_stores"] == 0 for rep in big), big
