@@ -143,12 +143,12 @@ def fewrow_reports(arch: int = 90, row_tiles: tuple[int, ...] = (16, 32, 64, 128
     reports = []
     for name, (cfg, flags) in products.items():
         for bm in row_tiles:
-            cfg = {**cfg, "num_warps": fr.fewrow_config(H, H, rows=bm)["num_warps"]}  # the warps follow the tile
+            warps = fr.fewrow_config(H, H, rows=bm)["num_warps"]  # the warps follow the row tile
             consts = dict(BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], NUM_STAGES=cfg["NUM_STAGES"], P_PAD=32,
                           SPLIT=cfg["SPLIT"], BM=bm, SCALE=False, GATE_UP=False, RESID=False, HAS_G=False, PRECISE=True,
                           IEEE=False, ROPE=False, D=2, QK_NORM=False)
             consts.update(flags)
-            rep = compile_report(fr._fewrow_kernel, consts, types, cfg["num_warps"], cfg["NUM_STAGES"], arch)
+            rep = compile_report(fr._fewrow_kernel, consts, types, warps, cfg["NUM_STAGES"], arch)
             reports.append({"product": name, "row_tile": bm, **rep})
     return reports
 
