@@ -7,9 +7,10 @@ kernels in both), RoPE + the K/V cache write are in (rope_qk_cache after the qkv
 does them in its qkv epilogue, as DecoderLayer.forward_fewrow). Each chain is captured as one CUDA graph
 and replayed.
 
-    python3 benchmarks/fewrow_chain_bench.py OUT.json [--rows 2,8,16] [--sweep [--kinds qkvr,o,gu,d]]
+    python3 benchmarks/fewrow_chain_bench.py OUT.json [--rows 2,8,16] [--sweep [--kinds qkvr,o,gu,d]] [--block-m 32,64,128]
 
-Rows up to kernels/fewrow.py's MAX_ROWS (128): each row count runs its row tile (fewrow.row_tile: 16-128).
+Any row count: programs of the step's row tile (fewrow.row_tile) up to fewrow.PROGRAM_ROWS (64) rows, more rows in
+row blocks (fewrow.program_rows). --block-m also times the chain with programs of at most that many rows, each value.
 
 --sweep: each product alone (a graph of 30 launches over the 30 layers' weights) over block_n / block_k /
 split-K / stages / warps, against cuBLAS (qkvr: against cuBLAS + rope_qk_cache); the chains then use each
@@ -172,6 +173,7 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--output-major", type=int, default=1)
     ap.add_argument("--kinds", default="", help="sweep only these products (qkvr,o,gu,d)")
+    ap.add_argument("--block-m", default="", help="also time the chain with programs of at most these rows (32,64,128)")
     args = ap.parse_args()
     torch.manual_seed(0)
     layers = make_layers(bool(args.output_major))
@@ -189,6 +191,9 @@ def main() -> None:
         r["max_abs_h"] = ha.float().abs().max().item()
         r["gemm_us_per_layer"] = graph_us(lambda: chain_gemm(layers, h0, attn)) / L
         r["fewrow_default_us_per_layer"] = graph_us(lambda: chain_fewrow(layers, h0, attn, {})) / L
+        for bm in (int(b) for b in args.block_m.split(",") if b):
+            cfg = {k: dict(block_m=bm) for k in ("qkvr", "o", "gu", "d")}
+            r[f"fewrow_bm{bm}_us_per_layer"] = graph_us(lambda: chain_fewrow(layers, h0, attn, cfg)) / L
         if best:
             r["best"] = best
             r["fewrow_best_us_per_layer"] = graph_us(lambda: chain_fewrow(layers, h0, attn, best)) / L

@@ -119,8 +119,9 @@ def drafter_seed_reports(arch: int = 90, sms: int = 132) -> list[dict]:
 
 def fewrow_reports(arch: int = 90, row_tiles: tuple[int, ...] = (16, 32, 64, 128)) -> list[dict]:
     """kernels/fewrow.py's four products of a SmolLM2-135M layer (qkv + RoPE + K/V write, o + residual, gate|up +
-    SwiGLU, down + residual, split-K) at their default launches (fewrow_config / qkv_rope_config), bf16, per row
-    tile: does a larger tile of the same launch spill, or lose the tensor cores?"""
+    SwiGLU, down + residual, split-K) at their default launches (fewrow_config / qkv_rope_config), bf16, per
+    program row tile (block_m; the engine's programs take at most fewrow.PROGRAM_ROWS, 64): does a larger tile of
+    the same launch spill, or lose the tensor cores?"""
     from dspark.kernels import fewrow as fr
 
     ptrs = {"pin_ptr": "*fp32", "pout_ptr": "*fp32", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "pos_ptr": "*i64",
@@ -143,7 +144,7 @@ def fewrow_reports(arch: int = 90, row_tiles: tuple[int, ...] = (16, 32, 64, 128
     reports = []
     for name, (cfg, flags) in products.items():
         for bm in row_tiles:
-            warps = fr.fewrow_config(H, H, rows=bm)["num_warps"]  # the warps follow the row tile
+            warps = fr.fewrow_config(H, H, rows=bm, block_m=bm)["num_warps"]  # the warps follow the program's rows
             consts = dict(BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], NUM_STAGES=cfg["NUM_STAGES"], P_PAD=32,
                           SPLIT=cfg["SPLIT"], BM=bm, SCALE=False, GATE_UP=False, RESID=False, HAS_G=False, PRECISE=True,
                           IEEE=False, ROPE=False, D=2, QK_NORM=False)

@@ -1,5 +1,5 @@
-"""Few-row (``M <= 128``, in one row tile of 16 to 128 rows) tensor-core products of a decoder layer with the
-RMSNorms and SwiGLU moved into their epilogues, each with its PyTorch reference.
+"""Few-row (a decode or verification step's 2-256 rows, in programs of 16-64 rows) tensor-core products of a
+decoder layer with the RMSNorms and SwiGLU moved into their epilogues, each with its PyTorch reference.
 
 Why: a verification step at batch 1 (1 + 7 rows) runs each layer as cuBLAS GEMMs plus two add_rms_norm
 launches and one silu_and_mul (9-10 launches per layer); the one-row decode step folds those into its
@@ -13,8 +13,8 @@ else happens once the products are done:
 
 so the producer of ``s`` (the o_proj or down_proj product, whose epilogue adds the residual) also stores
 ``z = g * s`` for the next product and the per-tile sums of squares of ``s``; the consumer multiplies
-its finished products by ``1 / rms`` from those sums. The sums are written per program (``[tiles, 16]``
-fp32) and summed in a fixed order by the consumer: no atomics, so results do not depend on scheduling.
+its finished products by ``1 / rms`` from those sums. The sums are written per program (``[tiles, row_tile]``
+fp32, each program its column tile's rows) and summed in a fixed order by the consumer: no atomics, so results do not depend on scheduling.
 A layer (the first layer's qkv takes the already normed embeddings):
 
     q = qkv_rope_cache(z_in, W_qkv, sumsq_in, ...)   (q/k norm, RoPE, K/V cache write)  -> attention
@@ -49,35 +49,41 @@ from dspark.kernels.fused_ops import (
     silu_mul_rounded,
 )
 
-MAX_ROWS = 128  # what the kernels take: the rows in one tile of 16, 32, 64 or 128 (row_tile)
-BM = 16  # the row tile of steps of up to 16 rows (row_tile)
+BM = 16  # the smallest row tile (one MMA tile of rows; steps of up to 16 rows: row_tile)
+# The rows one program multiplies (its BM; program_rows): a step's row tile (16, 32, 64) up to PROGRAM_ROWS, more rows in
+# row blocks of PROGRAM_ROWS on the grid's third axis, so a step of 128 or 256 rows runs 64-row programs (the largest
+# that beat cuBLAS, session 51) 2 or 4 times over. One program of 128 rows (8 warps: 4 spill;
+# benchmarks/offline_compile.py --fewrow) made verification at batch 32 (128 rows) slower than cuBLAS: the target's
+# step 1.49 against 1.39 ms (H200, session 52, DSPARK_FEWROW_MAX_ROWS=128 before row blocks).
+PROGRAM_ROWS = int(os.environ.get("DSPARK_FEWROW_BLOCK_M", "64"))
 # The steps the engine gives these kernels (LlamaForCausalLM.fewrow_max_rows, DSparkProposer's block pass): up to
 # 64 rows, so a verification at batch 1-8 and plain decoding at batch 2-64 run 5 launches per layer instead of
 # cuBLAS and the unfused layer's 9. Session 35 measured 16 rows (one tile); session 51 (H100) the tiles of 32 and
 # 64 rows with the same launch settings: per layer (products, norms, SwiGLU, RoPE; fewrow_chain_bench.py) 23.2
 # against cuBLAS's 25.8 µs at 32 rows and 23.5 against 26.3 at 64 (8 warps: slower), in the engine's step graphs
 # (gpu_graphs_check.py steps, 1k context) plain decode at batch 32 1.274 -> 1.205 ms and verification at batch 8
-# 1.130 -> 1.035 ms, every other step unchanged. DSPARK_FEWROW_MAX_ROWS=16 restores the old limit; =128 lets
-# steps of 65-128 rows (a verification at batch 9-16 greedy, or batch 32 at temperature 1 with 3 drafts) take
-# 128-row tiles: checked on the CPU only, not yet timed on a GPU, so not the default.
-ENGINE_MAX_ROWS = min(MAX_ROWS, int(os.environ.get("DSPARK_FEWROW_MAX_ROWS", "64")))
+# 1.130 -> 1.035 ms, every other step unchanged. End to end (H200, session 52, `dspark bench`, 3 runs): plain batch
+# 32 +4 %, DSpark batch 8 +5-7 %, against DSPARK_FEWROW_MAX_ROWS=16 (the old limit). Larger steps: see PROGRAM_ROWS.
+ENGINE_MAX_ROWS = int(os.environ.get("DSPARK_FEWROW_MAX_ROWS", "64"))
 TARGET_PROGRAMS = 128  # about the SM count (H200: 132): programs wanted for split-K
 
 
 @triton.jit
 def _fewrow_kernel(
     a_ptr, stride_a, w_ptr, stride_wk, stride_wn, y_ptr, stride_y,
-    pin_ptr, n_pin, eps,  # SCALE: per-tile sums of squares [n_pin, BM] of the rows the input was made from
-    r_ptr, stride_r, z_ptr, stride_z, g_ptr, pout_ptr,  # RESID: residual in, z = g * s out, sums out
-    ws_ptr, cnt_ptr,  # SPLIT > 1: fp32 partial products [SPLIT, tiles, (2,) BM, BLOCK_N]; arrival counters [tiles]
+    pin_ptr, n_pin, eps,  # SCALE: per-tile sums of squares [n_pin, RT] of the rows the input was made from
+    r_ptr, stride_r, z_ptr, stride_z, g_ptr, pout_ptr,  # RESID: residual in, z = g * s out, sums out [tiles, RT]
+    ws_ptr, cnt_ptr,  # SPLIT > 1: fp32 partial products [SPLIT, tiles, row blocks, (2,) BM, BLOCK_N]; arrival
+    # counters [row blocks, tiles]
     pos_ptr, cos_ptr, sin_ptr, stride_cs, qn_ptr, kn_ptr, qk_eps,  # ROPE: positions, tables, q/k norm weights
     kc_ptr, vc_ptr, sc_slot, sc_head, slot_ptr, Q_SIZE, KV_SIZE,  # ROPE: the paged K/V caches and slots
-    M, K, N, UP, K_PER,
+    M, K, N, UP, K_PER, RT,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, P_PAD: tl.constexpr, SPLIT: tl.constexpr,
     BM: tl.constexpr, SCALE: tl.constexpr, GATE_UP: tl.constexpr, RESID: tl.constexpr, HAS_G: tl.constexpr,
     PRECISE: tl.constexpr, IEEE: tl.constexpr, ROPE: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr,
 ):
-    """y[:, n] = a @ W[:, n] for this program's BLOCK_N columns: a bare tensor-core K loop, then
+    """y[rows, n] = a[rows] @ W[:, n] for this program's BM rows (row block program_id(2)) and BLOCK_N
+    columns: a bare tensor-core K loop, then
     SCALE (times 1 / rms of the input's source rows), GATE_UP (silu(y) * (a @ W[:, UP + n])) or RESID
     (s = y + residual stored in y; z = g * s and the tile's sums of squares of s).
 
@@ -92,8 +98,9 @@ def _fewrow_kernel(
     in y and writes k and v into the paged caches at the rows' slots (fused_ops.rope_qk_cache's work)."""
     pid = tl.program_id(0)
     j = tl.program_id(1)
+    rb = tl.program_id(2)
     dt = a_ptr.dtype.element_ty
-    rows = tl.arange(0, BM)
+    rows = rb * BM + tl.arange(0, BM)
     rm = rows < M
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < N
@@ -123,57 +130,61 @@ def _fewrow_kernel(
 
     if SPLIT > 1:
         n_tiles = tl.num_programs(0)
-        t = rows[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        n_rb = tl.num_programs(2)
+        t = tl.arange(0, BM)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
         tile = 2 * BM * BLOCK_N
-        tl.store(ws_ptr + (j * n_tiles + pid) * tile + t, acc)
+        mine = pid * n_rb + rb  # this (column tile, row block)'s partial tiles and counter
+        tl.store(ws_ptr + (j * n_tiles * n_rb + mine) * tile + t, acc)
         if GATE_UP or ROPE:
-            tl.store(ws_ptr + (j * n_tiles + pid) * tile + BM * BLOCK_N + t, acc_u)
+            tl.store(ws_ptr + (j * n_tiles * n_rb + mine) * tile + BM * BLOCK_N + t, acc_u)
         tl.debug_barrier()  # every thread's stores precede the (releasing) arrival
-        arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        arrived = tl.atomic_add(cnt_ptr + mine, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT - 1:  # the last arrival: the sum in slice order, then the epilogue
             acc = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
             acc_u = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
             for i in tl.static_range(SPLIT):
-                acc += tl.load(ws_ptr + (i * n_tiles + pid) * tile + t, cache_modifier=".cg")
+                acc += tl.load(ws_ptr + (i * n_tiles * n_rb + mine) * tile + t, cache_modifier=".cg")
                 if GATE_UP or ROPE:
-                    acc_u += tl.load(ws_ptr + (i * n_tiles + pid) * tile + BM * BLOCK_N + t, cache_modifier=".cg")
-            tl.store(cnt_ptr + pid, 0)
+                    acc_u += tl.load(ws_ptr + (i * n_tiles * n_rb + mine) * tile + BM * BLOCK_N + t,
+                                     cache_modifier=".cg")
+            tl.store(cnt_ptr + mine, 0)
             if ROPE:
                 _rope_epilogue(acc, acc_u, rows, rm, n, y_ptr, stride_y, pin_ptr, n_pin, eps, pos_ptr, cos_ptr,
                                sin_ptr, stride_cs, qn_ptr, kn_ptr, qk_eps, kc_ptr, vc_ptr, sc_slot, sc_head,
-                               slot_ptr, Q_SIZE, KV_SIZE, pid, K, BLOCK_N, P_PAD, BM, D, SCALE, QK_NORM)
+                               slot_ptr, Q_SIZE, KV_SIZE, pid, K, RT, BLOCK_N, P_PAD, BM, D, SCALE, QK_NORM)
             else:
                 _epilogue(acc, acc_u, rows, rm, n, nm, y_ptr, stride_y, pin_ptr, n_pin, eps, r_ptr, stride_r,
-                          z_ptr, stride_z, g_ptr, pout_ptr, pid, K, P_PAD, BM, SCALE, GATE_UP, RESID, HAS_G,
+                          z_ptr, stride_z, g_ptr, pout_ptr, pid, K, RT, P_PAD, BM, SCALE, GATE_UP, RESID, HAS_G,
                           PRECISE)
     elif ROPE:
         _rope_epilogue(acc, acc_u, rows, rm, n, y_ptr, stride_y, pin_ptr, n_pin, eps, pos_ptr, cos_ptr, sin_ptr,
                        stride_cs, qn_ptr, kn_ptr, qk_eps, kc_ptr, vc_ptr, sc_slot, sc_head, slot_ptr, Q_SIZE,
-                       KV_SIZE, pid, K, BLOCK_N, P_PAD, BM, D, SCALE, QK_NORM)
+                       KV_SIZE, pid, K, RT, BLOCK_N, P_PAD, BM, D, SCALE, QK_NORM)
     else:
         _epilogue(acc, acc_u, rows, rm, n, nm, y_ptr, stride_y, pin_ptr, n_pin, eps, r_ptr, stride_r, z_ptr,
-                  stride_z, g_ptr, pout_ptr, pid, K, P_PAD, BM, SCALE, GATE_UP, RESID, HAS_G, PRECISE)
+                  stride_z, g_ptr, pout_ptr, pid, K, RT, P_PAD, BM, SCALE, GATE_UP, RESID, HAS_G, PRECISE)
 
 
 @triton.jit
-def _inv_rms(pin_ptr, n_pin, rows, eps, K, P_PAD: tl.constexpr, BM: tl.constexpr):
-    """1 / rms of the rows z was made from, their per-tile sums of squares summed in a fixed order: [BM, 1]."""
+def _inv_rms(pin_ptr, n_pin, rows, rm, eps, K, RT, P_PAD: tl.constexpr):
+    """1 / rms of the rows z was made from, their per-tile sums of squares ([n_pin, RT]) summed in a fixed
+    order: [BM, 1] (rows past M read as 0: their sums may be unwritten)."""
     p = tl.arange(0, P_PAD)
-    part = tl.load(pin_ptr + p[:, None] * BM + rows[None, :], mask=(p < n_pin)[:, None], other=0.0)
+    part = tl.load(pin_ptr + p[:, None] * RT + rows[None, :], mask=(p < n_pin)[:, None] & rm[None, :], other=0.0)
     return tl.math.rsqrt(tl.sum(part, 0) / K + eps)[:, None]
 
 
 @triton.jit
 def _rope_epilogue(acc, acc_p, rows, rm, n, y_ptr, stride_y, pin_ptr, n_pin, eps, pos_ptr, cos_ptr, sin_ptr,
                    stride_cs, qn_ptr, kn_ptr, qk_eps, kc_ptr, vc_ptr, sc_slot, sc_head, slot_ptr, Q_SIZE, KV_SIZE,
-                   pid, K, BLOCK_N: tl.constexpr, P_PAD: tl.constexpr, BM: tl.constexpr, D: tl.constexpr,
+                   pid, K, RT, BLOCK_N: tl.constexpr, P_PAD: tl.constexpr, BM: tl.constexpr, D: tl.constexpr,
                    SCALE: tl.constexpr, QK_NORM: tl.constexpr):
     """fused_ops.rope_qk_cache on this program's half-head of the rounded qkv product (x) and its
     partner half (xp), with the same roundings: q/k norm over the whole head, RoPE, q stored, k / v
     written to the caches (rows with a negative slot or past M skipped)."""
     dt = y_ptr.dtype.element_ty
     if SCALE:
-        inv = _inv_rms(pin_ptr, n_pin, rows, eps, K, P_PAD, BM)
+        inv = _inv_rms(pin_ptr, n_pin, rows, rm, eps, K, RT, P_PAD)
         acc = acc * inv
         acc_p = acc_p * inv
     x = cast_rtne(acc, dt)  # the qkv product's output in the dtype
@@ -214,11 +225,11 @@ def _rope_epilogue(acc, acc_p, rows, rm, n, y_ptr, stride_y, pin_ptr, n_pin, eps
 
 @triton.jit
 def _epilogue(acc, acc_u, rows, rm, n, nm, y_ptr, stride_y, pin_ptr, n_pin, eps, r_ptr, stride_r, z_ptr, stride_z,
-              g_ptr, pout_ptr, pid, K, P_PAD: tl.constexpr, BM: tl.constexpr, SCALE: tl.constexpr,
+              g_ptr, pout_ptr, pid, K, RT, P_PAD: tl.constexpr, BM: tl.constexpr, SCALE: tl.constexpr,
               GATE_UP: tl.constexpr, RESID: tl.constexpr, HAS_G: tl.constexpr, PRECISE: tl.constexpr):
     dt = y_ptr.dtype.element_ty
     if SCALE:  # 1 / rms of the rows z was made from
-        inv = _inv_rms(pin_ptr, n_pin, rows, eps, K, P_PAD, BM)
+        inv = _inv_rms(pin_ptr, n_pin, rows, rm, eps, K, RT, P_PAD)
         acc = acc * inv
         acc_u = acc_u * inv
     out = cast_rtne(acc, dt)  # the product's output in the dtype
@@ -229,7 +240,7 @@ def _epilogue(acc, acc_u, rows, rm, n, nm, y_ptr, stride_y, pin_ptr, n_pin, eps,
         r = tl.load(r_ptr + rows[:, None] * stride_r + n[None, :], mask=om, other=0.0)
         out = cast_rtne(out.to(tl.float32) + r.to(tl.float32), dt)
         sf = tl.where(om, out.to(tl.float32), 0.0)
-        tl.store(pout_ptr + pid * BM + rows, tl.sum(sf * sf, 1))
+        tl.store(pout_ptr + pid * RT + rows, tl.sum(sf * sf, 1))
         if HAS_G:
             g = tl.load(g_ptr + n, mask=nm, other=0.0).to(tl.float32)
             tl.store(z_ptr + rows[:, None] * stride_z + n[None, :], cast_rtne(sf * g[None, :], dt), mask=om)
@@ -244,9 +255,10 @@ def _env_int(name: str) -> int | None:
 
 def fewrow_config(K: int, N: int, tiles: int = 1, block_n: int | None = None, block_k: int | None = None,
                   num_warps: int | None = None, num_stages: int | None = None, split: int | None = None,
-                  rows: int = 1) -> dict:
+                  rows: int = 1, block_m: int | None = None) -> dict:
     """Launch configuration for reduction size K and N output columns (``tiles`` weight tiles per
-    program: 2 for gate|up). Overrides: the arguments, else DSPARK_FEWROW_{BLOCK_N,BLOCK_K,WARPS,STAGES,SPLIT}.
+    program: 2 for gate|up) of a step of ``rows`` rows. Overrides: the arguments, else
+    DSPARK_FEWROW_{BLOCK_N,BLOCK_K,WARPS,STAGES,SPLIT,BLOCK_M}.
 
     Defaults, for a weight streamed from HBM (a model's layers do not stay in L2), from the H200 sweep of
     session 35 (benchmarks/fewrow_chain_bench.py --sweep, 8 rows, SmolLM2's shapes, µs per launch among
@@ -271,8 +283,10 @@ def fewrow_config(K: int, N: int, tiles: int = 1, block_n: int | None = None, bl
     stages = num_stages or _env_int("DSPARK_FEWROW_STAGES") or min(6, max(3, per))
     # 8 warps for 128-row tiles: at 4 the SmolLM2 products' 128-row launches spill 168-748 B per thread (sm_90,
     # benchmarks/offline_compile.py --fewrow); at 64 rows 8 warps measured slower than 4 (session 51)
-    nw = num_warps or _env_int("DSPARK_FEWROW_WARPS") or (8 if row_tile(rows) >= 128 else 4)
-    return dict(BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=stages, num_warps=nw, SPLIT=sp, K_PER=per * bk, TILES=tiles)
+    bm = program_rows(rows, block_m)
+    nw = num_warps or _env_int("DSPARK_FEWROW_WARPS") or (8 if bm >= 128 else 4)
+    return dict(BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=stages, num_warps=nw, SPLIT=sp, K_PER=per * bk, TILES=tiles,
+                BM=bm)
 
 
 def qkv_rope_config(K: int, N: int, D: int, **config) -> dict:
@@ -327,16 +341,25 @@ class SumSq:
 
 
 def row_tile(rows: int) -> int:
-    """The kernels' row tile for a step of ``rows`` rows (one tile holds them all): 16, 32, 64 or 128. The
-    producer of a SumSq and its consumer see the same rows, so they agree on its [tiles, row_tile] layout."""
+    """A step's rows rounded up to a power of two of at least 16: the width of its SumSq ``[tiles, row_tile]``
+    (the producer of a SumSq and its consumer see the same rows, so they agree on the layout whatever rows
+    each of their programs takes) and the most rows one program takes (program_rows)."""
     return max(BM, next_pow2(rows))
+
+
+def program_rows(rows: int, block_m: int | None = None) -> int:
+    """The rows one program multiplies (the kernel's BM) in a step of ``rows`` rows: the step's row tile up to
+    ``block_m`` (else PROGRAM_ROWS: DSPARK_FEWROW_BLOCK_M, 64); more rows take row blocks of that many (the
+    grid's third axis), each program a BM x BLOCK_N tile."""
+    bm = block_m or PROGRAM_ROWS
+    if bm < BM or bm & (bm - 1):
+        raise ValueError(f"block_m must be a power of two >= {BM} (an MMA tile), got {bm}")
+    return min(row_tile(rows), bm)
 
 
 def _rows(x: Tensor, K: int, name: str) -> Tensor:
     if x.dim() != 2 or x.shape[1] != K:
         raise ValueError(f"{name} has shape {tuple(x.shape)}: expected [rows, {K}] (the weight's K)")
-    if x.shape[0] > MAX_ROWS:
-        raise ValueError(f"{name} has {x.shape[0]} rows: the few-row kernels take at most {MAX_ROWS}")
     return x if x.stride(1) == 1 else x.contiguous()
 
 
@@ -352,15 +375,16 @@ def _launch(a, w_t, y, N, up, cfg, sumsq=None, eps=0.0, residual=None, z=None, g
             rope=None):
     M, K = a.shape
     dummy = a
-    bm = row_tile(M)
+    bm = cfg["BM"]
+    n_rb = triton.cdiv(M, bm)  # row blocks
     r = rope or {}
     n_pin = sumsq.partials.shape[0] if sumsq is not None else 0
     n_tiles = triton.cdiv(N, cfg["BLOCK_N"])
     ws = cnt = dummy
     if cfg["SPLIT"] > 1:
-        w = workspace(a.device, cfg["SPLIT"] * n_tiles * 2 * bm * cfg["BLOCK_N"], n_tiles)
+        w = workspace(a.device, cfg["SPLIT"] * n_tiles * n_rb * 2 * bm * cfg["BLOCK_N"], n_tiles * n_rb)
         ws, cnt = w.ws, w.cnt
-    _fewrow_kernel[(n_tiles, cfg["SPLIT"])](
+    _fewrow_kernel[(n_tiles, cfg["SPLIT"], n_rb)](
         a, a.stride(0), w_t, w_t.stride(0), w_t.stride(1), y, y.stride(0),
         sumsq.partials if sumsq is not None else dummy, n_pin, eps,
         residual if residual is not None else dummy, residual.stride(0) if residual is not None else 0,
@@ -370,7 +394,7 @@ def _launch(a, w_t, y, N, up, cfg, sumsq=None, eps=0.0, residual=None, z=None, g
         r.get("q_norm", dummy), r.get("k_norm", dummy), r.get("qk_eps", 0.0), r.get("k_cache", dummy),
         r.get("v_cache", dummy), r.get("sc_slot", 0), r.get("sc_head", 0), r.get("slots", dummy),
         r.get("q_size", 0), r.get("kv_size", 0),
-        M, K, N, up, cfg["K_PER"],
+        M, K, N, up, cfg["K_PER"], row_tile(M),
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], NUM_STAGES=cfg["NUM_STAGES"], P_PAD=next_pow2(max(n_pin, 1)),
         SPLIT=cfg["SPLIT"], BM=bm, SCALE=sumsq is not None, GATE_UP=gate_up, RESID=residual is not None,
         HAS_G=g is not None, PRECISE=a.device.type == "cuda", IEEE=a.dtype == torch.float32 or a.device.type != "cuda",
@@ -388,7 +412,7 @@ def _check_sumsq(sumsq: SumSq | None, K: int, rows: int) -> None:
 
 
 def linear(x: Tensor, w_t: Tensor, sumsq: SumSq | None = None, eps: float = 0.0, **config) -> Tensor:
-    """``x @ w_t`` in x's dtype for at most MAX_ROWS rows; with ``sumsq`` (x = z = g * s of a linear_residual)
+    """``x @ w_t`` in x's dtype; with ``sumsq`` (x = z = g * s of a linear_residual)
     the product times ``1 / rms(s)``, i.e. ``rms_norm(s, g) @ w_t``."""
     K, N = _weight(x, w_t)
     a = _rows(x, K, "x")
@@ -527,6 +551,6 @@ def linear_residual_reference(x: Tensor, w_t: Tensor, residual: Tensor) -> Tenso
 
 
 __all__ = [
-    "ENGINE_MAX_ROWS", "MAX_ROWS", "SumSq", "row_tile", "fewrow_config", "gate_up_silu", "o_proj_and_mlp", "gate_up_silu_reference", "linear", "linear_reference",
+    "ENGINE_MAX_ROWS", "PROGRAM_ROWS", "SumSq", "row_tile", "program_rows", "fewrow_config", "gate_up_silu", "o_proj_and_mlp", "gate_up_silu_reference", "linear", "linear_reference",
     "linear_residual", "linear_residual_reference", "norm_input", "qkv_rope_cache", "qkv_rope_cache_reference",
 ]

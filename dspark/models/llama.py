@@ -328,8 +328,8 @@ class LlamaForCausalLM(nn.Module):
         T = input_ids.shape[0]
         on = input_ids.is_cuda if self.small_m_gemv is None else self.small_m_gemv
         gemv = on and T <= self.gemv_max_rows
-        few = (input_ids.is_cuda if self.fewrow is None else self.fewrow) and T <= min(
-            fewrow.MAX_ROWS, self.fewrow_max_rows or fewrow.ENGINE_MAX_ROWS)
+        few = (input_ids.is_cuda if self.fewrow is None else self.fewrow) and T <= (
+            self.fewrow_max_rows or fewrow.ENGINE_MAX_ROWS)
         if gemv and all(layer.gemv_ready() for layer in self.layers):
             x, residual = self.embed_tokens(input_ids), None  # layer 0 norms the embeddings in its qkv GEMV
             for i, layer in enumerate(self.layers):

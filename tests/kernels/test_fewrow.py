@@ -87,22 +87,26 @@ def test_gate_up_silu(M: int, K: int, I: int, split: int, dtype: torch.dtype) ->
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("split", [1, 4])
-@pytest.mark.parametrize("M,K,N", [(8, 1536 // 4, 576 // 4), (16, 96, 48), (2, 64, 33), (17, 64, 48), (64, 96, 32),
-                                   (100, 64, 32)])
-def test_linear_residual(M: int, K: int, N: int, split: int, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("M,K,N,block_m", [(8, 1536 // 4, 576 // 4, None), (16, 96, 48, None), (2, 64, 33, None),
+                                           (17, 64, 48, None), (64, 96, 32, None), (100, 64, 32, None),
+                                           (40, 64, 40, 16), (200, 48, 32, None)])
+def test_linear_residual(M: int, K: int, N: int, block_m, split: int, dtype: torch.dtype) -> None:
     """s = round(x @ W) + residual exactly as the reference rounds it (fp32 sums in another order: compared
-    to the reference computed from the kernel's own rounded product); z = g * s; the sums of squares."""
+    to the reference computed from the kernel's own rounded product); z = g * s; the sums of squares.
+    100 and 200 rows: 2 and 4 row blocks of 64 (PROGRAM_ROWS); 40 rows in blocks of 16: 3 of them."""
     x, _, w, res = _data(M, K, N, dtype, seed=K + N)
     g = (torch.rand(N, generator=torch.Generator().manual_seed(3)) + 0.5).to(dtype)
-    s, z, ss = fr.linear_residual(x, w, res, g, block_n=16, block_k=32, split=split)
-    prod = fr.linear(x, w, block_n=16, block_k=32, split=split)
+    cfg = dict(block_n=16, block_k=32, split=split, block_m=block_m)
+    s, z, ss = fr.linear_residual(x, w, res, g, **cfg)
+    prod = fr.linear(x, w, **cfg)
     _assert_close(prod, (x.float() @ w.float()).to(dtype), x.float().abs() @ w.float().abs())
     assert torch.equal(s, prod + res)  # the eager add in the dtype, on the same rounded product
     assert torch.equal(z, (s.float() * g.float()).to(dtype))
     assert ss.hidden == N and ss.partials.shape == (fr.triton.cdiv(N, 16), fr.row_tile(M))
     assert torch.allclose(ss.partials.sum(0)[:M], (s.float() ** 2).sum(-1), rtol=1e-5)
-    assert not ss.partials[:, M:].any()  # rows past M contribute nothing
-    s2, z2, _ = fr.linear_residual(x, w, res, None, block_n=16, block_k=32, split=split)
+    covered = fr.triton.cdiv(M, fr.program_rows(M, block_m)) * fr.program_rows(M, block_m)
+    assert not ss.partials[:, M:covered].any()  # rows past M contribute nothing (rows past the blocks: unwritten)
+    s2, z2, _ = fr.linear_residual(x, w, res, None, **cfg)
     assert z2 is None and torch.equal(s2, s)
     if split > 1:  # the arrival counters are back to zero for the next launch
         assert not fr.workspace(x.device).cnt.any()
@@ -110,14 +114,15 @@ def test_linear_residual(M: int, K: int, N: int, split: int, dtype: torch.dtype)
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qknorm"])
-@pytest.mark.parametrize("split", [1, 3])
-def test_qkv_rope_cache_equals_linear_then_rope_qk_cache(dtype, qk_norm: bool, split: int) -> None:
+@pytest.mark.parametrize("split,M", [(1, 7), (3, 7), (3, 37)])
+def test_qkv_rope_cache_equals_linear_then_rope_qk_cache(dtype, qk_norm: bool, split: int, M: int) -> None:
     """The fused epilogue does rope_qk_cache's work on the product it just made: q and the cache
     contents equal the two-launch reference bit for bit (fp32 with q/k norm: to the norm's summation
-    order); padding rows (negative slot) and rows past M leave the cache alone."""
+    order); padding rows (negative slot) and rows past M leave the cache alone. 37 rows: in 3 row blocks of 16
+    (block_m), split-K over them."""
     from dspark.layers.basic import RotaryEmbedding
 
-    M, H, Hq, Hkv, D = 7, 96, 3, 1, 32
+    H, Hq, Hkv, D = 96, 3, 1, 32
     gen = torch.Generator().manual_seed(split + 2 * qk_norm)
     s = (torch.randn(M, H, generator=gen) * 2).to(dtype)
     nw = (torch.rand(H, generator=gen) + 0.5).to(dtype)
@@ -125,12 +130,13 @@ def test_qkv_rope_cache_equals_linear_then_rope_qk_cache(dtype, qk_norm: bool, s
     z, ss = fr.norm_input(s, nw)
     rope = RotaryEmbedding(D, 10000.0, 64)
     pos = torch.randint(0, 64, (M,), generator=gen)
-    slots = torch.tensor([3, 5, -1, 7, 8, 0, 12])
+    slots = torch.tensor([3, 5, -1, 7, 8, 0, 12] + list(range(16, 16 + M - 7)))
+    block_m = 16 if M > 16 else None
     qn, kn = ((torch.rand(D, generator=gen) + 0.5).to(dtype) for _ in range(2)) if qk_norm else (None, None)
-    caches = [torch.full((4, 4, Hkv, D), 7.0, dtype=dtype) for _ in range(4)]
+    caches = [torch.full((16, 4, Hkv, D), 7.0, dtype=dtype) for _ in range(4)]
     args = (pos, rope.cos, rope.sin_signed)
     q = fr.qkv_rope_cache(z, w, ss, EPS, *args, caches[0], caches[1], slots, Hq, Hkv, qn, kn, 1e-6, split=split,
-                          block_k=32)
+                          block_k=32, block_m=block_m)
     want = fr.qkv_rope_cache_reference(z, w, ss, EPS, *args, caches[2], caches[3], slots, Hq, Hkv, qn, kn, 1e-6,
                                        split=split, block_k=32)
     assert q.shape == (M, Hq, D)
@@ -139,20 +145,21 @@ def test_qkv_rope_cache_equals_linear_then_rope_qk_cache(dtype, qk_norm: bool, s
     else:
         assert torch.equal(q, want) and torch.equal(caches[0], caches[2])
     assert torch.equal(caches[1], caches[3])
-    written = torch.zeros(16, dtype=torch.bool)
+    written = torch.zeros(64, dtype=torch.bool)
     written[slots[slots >= 0]] = True
-    assert bool((caches[0].view(16, -1)[~written] == 7.0).all())  # slot 2 (padding row's) etc. untouched
-    assert bool((caches[1].view(16, -1)[written] != 7.0).all())
+    assert bool((caches[0].view(64, -1)[~written] == 7.0).all())  # slot 2 (padding row's) etc. untouched
+    assert bool((caches[1].view(64, -1)[written] != 7.0).all())
     with pytest.raises(ValueError, match="heads of one size"):
         fr.qkv_rope_cache(z, w[:, :-1], ss, EPS, *args, caches[0], caches[1], slots, Hq, Hkv)
     with pytest.raises(ValueError, match="one entry per row"):
         fr.qkv_rope_cache(z, w, ss, EPS, pos[:3], rope.cos, rope.sin_signed, caches[0], caches[1], slots, Hq, Hkv)
 
 
-@pytest.mark.parametrize("M", [6, 40, 120])
-def test_a_layer_chain_matches_the_unfused_layer(M: int) -> None:
+@pytest.mark.parametrize("M,block_m", [(6, None), (40, None), (120, None), (72, 16)])
+def test_a_layer_chain_matches_the_unfused_layer(M: int, block_m) -> None:
     """o_proj -> gate_up -> down as a layer chains them: the sums of squares travel from each
-    linear_residual to the next product (fp32); 40 and 120 rows: row tiles of 64 and 128 all along."""
+    linear_residual to the next product (fp32); 40 rows: one program of 64 rows; 120: row blocks of 64; 72:
+    producers and consumers in programs of different rows (16 and 64, 32 for gate|up), one SumSq layout."""
     from dspark.kernels.fused_ops import add_rms_norm_reference, silu_and_mul_reference
 
     H, I = 64, 96
@@ -161,9 +168,9 @@ def test_a_layer_chain_matches_the_unfused_layer(M: int) -> None:
     attn = torch.randn(M, H, generator=gen)
     wo, wgu, wd = (torch.randn(k, n, generator=gen) * k**-0.5 for k, n in ((H, H), (H, 2 * I), (I, H)))
     g_post, g_next = torch.rand(H, generator=gen) + 0.5, torch.rand(H, generator=gen) + 0.5
-    s1, z1, p1 = fr.linear_residual(attn, wo, h, g_post, block_n=16, block_k=32)
-    act = fr.gate_up_silu(z1, wgu, p1, EPS, block_n=32, block_k=32)
-    out, z2, p2 = fr.linear_residual(act, wd, s1, g_next, block_n=16, block_k=32, split=3)
+    s1, z1, p1 = fr.linear_residual(attn, wo, h, g_post, block_n=16, block_k=32, block_m=block_m)
+    act = fr.gate_up_silu(z1, wgu, p1, EPS, block_n=32, block_k=32, block_m=block_m and 32)
+    out, z2, p2 = fr.linear_residual(act, wd, s1, g_next, block_n=16, block_k=32, split=3, block_m=block_m)
     nxt = fr.linear(z2, wo, p2, EPS, block_n=32, block_k=32)  # the next layer's normed product
     r1 = attn @ wo + h
     x2 = add_rms_norm_reference(r1, None, g_post, EPS)[0]
@@ -176,7 +183,7 @@ def test_a_layer_chain_matches_the_unfused_layer(M: int) -> None:
 def test_default_configs() -> None:
     """The H200 defaults for SmolLM2's four products (session 35's sweep) and their split-K slices."""
     assert fr.fewrow_config(576, 960) == dict(BLOCK_N=16, BLOCK_K=64, NUM_STAGES=6, num_warps=4, SPLIT=1,
-                                              K_PER=576, TILES=1)
+                                              K_PER=576, TILES=1, BM=16)
     assert fr.fewrow_config(576, 1536, 2)["BLOCK_N"] == 32
     down = fr.fewrow_config(1536, 576)
     assert (down["BLOCK_N"], down["BLOCK_K"], down["SPLIT"], down["K_PER"]) == (32, 128, 6, 256)
@@ -184,12 +191,18 @@ def test_default_configs() -> None:
     assert odd["SPLIT"] == 4 and odd["K_PER"] == 256
     # qkv + RoPE (session 36): half-head tiles in pairs, split-K 3 over 9 K steps of 64, 6 stages
     assert fr.qkv_rope_config(576, 960, 64) == dict(BLOCK_N=32, BLOCK_K=64, NUM_STAGES=6, num_warps=4, SPLIT=3,
-                                                    K_PER=192, TILES=2)
+                                                    K_PER=192, TILES=2, BM=16)
     assert fr.qkv_rope_config(576, 960, 64, split=1, block_n=16)["SPLIT"] == 1  # arguments win; BLOCK_N never
     assert fr.qkv_rope_config(2048, 3072, 128)["BLOCK_N"] == 64  # long K: fewrow_config's rule
-    # 128-row tiles: 8 warps (4 spill there); up to 64 rows 4
-    assert [fr.fewrow_config(576, 960, rows=m)["num_warps"] for m in (16, 64, 65, 128)] == [4, 4, 8, 8]
-    assert fr.qkv_rope_config(576, 960, 64, rows=100)["num_warps"] == 8
+    # programs of the step's row tile up to 64 rows (PROGRAM_ROWS), then row blocks of 64; 4 warps; programs of 128
+    # rows (block_m=128) 8 warps (4 spill there)
+    assert fr.PROGRAM_ROWS == 64
+    assert [fr.fewrow_config(576, 960, rows=m)["BM"] for m in (1, 16, 17, 33, 64, 65, 128, 256)] == [
+        16, 16, 32, 64, 64, 64, 64, 64]
+    assert [fr.fewrow_config(576, 960, rows=m)["num_warps"] for m in (16, 64, 65, 128)] == [4, 4, 4, 4]
+    assert fr.fewrow_config(576, 960, rows=100, block_m=128)["num_warps"] == 8
+    assert fr.qkv_rope_config(576, 960, 64, rows=100, block_m=128)["num_warps"] == 8
+    assert fr.fewrow_config(576, 960, rows=20, block_m=128)["BM"] == 32  # never more than the step's row tile
     # default configurations run (interpreter: one small case)
     s, nw, w, res = _data(3, 1536, 40, torch.float32, seed=1)
     out, _, _ = fr.linear_residual(s, w, res, None)
@@ -201,8 +214,8 @@ def test_bad_inputs() -> None:
     z, ss = fr.norm_input(s, nw)
     with pytest.raises(ValueError, match=r"expected \[rows, 64\]"):
         fr.linear(s[:, :60], w)
-    with pytest.raises(ValueError, match="at most 128"):
-        fr.linear(torch.zeros(129, 64), w)
+    with pytest.raises(ValueError, match="block_m must be a power of two >= 16"):
+        fr.linear(s, w, block_m=24)
     with pytest.raises(ValueError, match="made for row tiles of 16, the product's 20 rows take tiles of 32"):
         fr.linear(torch.zeros(20, 64), w, ss)  # sums of squares of 4 rows, a product of 20
     assert [fr.row_tile(m) for m in (1, 16, 17, 32, 33, 64, 65, 128)] == [16, 16, 32, 32, 64, 64, 128, 128]
