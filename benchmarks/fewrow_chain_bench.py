@@ -118,8 +118,10 @@ def chain_fewrow(layers, h0, attn, cfg):
     return x, h
 
 
-def sweep(layers, M, only=None):
-    """Each product alone, 30 launches over the 30 layers' weights."""
+def sweep(layers, M, only=None, quick=False):
+    """Each product alone, 30 launches over the 30 layers' weights. ``quick``: 4 warps, BLOCK_K 64 / 128,
+    split-K 1-3 (and the default's), 3 or 6 stages: ~1/6 of the space (the full one outlasts a device call at 64
+    rows: 2 products in 240 s, session 52)."""
     a_h = torch.randn(M, H, device="cuda", dtype=torch.bfloat16)
     a_i = torch.randn(M, I, device="cuda", dtype=torch.bfloat16)
     ss = fr.SumSq(torch.rand(1, fr.row_tile(M), device="cuda") * 100 + 1, H)  # the step's row tile
@@ -143,7 +145,9 @@ def sweep(layers, M, only=None):
         seen = set()
         K, N = (I if kind == "d" else H), {"qkvr": Q, "o": H, "gu": I, "d": H}[kind]
         block_ns = (32,) if kind == "qkvr" else (16, 32, 64) if kind == "gu" else (16, 32)
-        for bn, bk, sp, st, nw in itertools.product(block_ns, (32, 64, 128, 256), (1, 2, 3, 4, 6), (3, 6), (4, 8)):
+        space = ((block_ns, (64, 128), (1, 2, 3, 6), (3, 6), (4,)) if quick
+                 else (block_ns, (32, 64, 128, 256), (1, 2, 3, 4, 6), (3, 6), (4, 8)))
+        for bn, bk, sp, st, nw in itertools.product(*space):
             if (bk == 32 or (nw == 8 and M <= 16)) and kind not in ("gu", "qkvr"):
                 continue  # the first sweep's space (session 35) for the products it settled (8 warps: larger tiles)
             cfg = dict(block_n=bn, block_k=bk, split=sp, num_stages=st, num_warps=nw)
@@ -171,6 +175,7 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--rows", default="2,8,16")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="--sweep over a smaller space (see sweep)")
     ap.add_argument("--output-major", type=int, default=1)
     ap.add_argument("--kinds", default="", help="sweep only these products (qkvr,o,gu,d)")
     ap.add_argument("--block-m", default="", help="also time the chain with programs of at most these rows (32,64,128)")
@@ -184,7 +189,7 @@ def main() -> None:
         attn = torch.randn(M, H, device="cuda", dtype=torch.bfloat16)
         r = {}
         if args.sweep and j == 0:  # the first row count's best settings serve the others
-            r["sweep"], best = sweep(layers, M, [k for k in args.kinds.split(",") if k])
+            r["sweep"], best = sweep(layers, M, [k for k in args.kinds.split(",") if k], args.quick)
         xa, ha = chain_gemm(layers, h0, attn)
         xb, hb = chain_fewrow(layers, h0, attn, {})
         r["max_abs_diff_h"] = (ha.float() - hb.float()).abs().max().item()

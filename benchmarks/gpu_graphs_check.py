@@ -14,7 +14,9 @@ parts (comma-separated, default all):
   kernels  the same shapes: the GPU kernels of one plain decode step (target + sampling graphs) and one
            greedy DSpark step (target q=1+N + verification + drafter graphs) at batch 1 and 32, context
            1k, under torch.profiler (graph replays), by kernel name: where a verification step's extra
-           time over a decode step goes.
+           time over a decode step goes. KERNELS_SAMPLED=1: the temperature-1 steps instead (the sampled
+           verification and the probabilistic drafter; from batch 16 the graph set of the sampled-batch rule's
+           verify length, 3 drafts); KERNELS_B (e.g. "8,32") the batch sizes.
 Writes OUT_DIR/graphs_check.json and prints a summary.
 """
 
@@ -199,23 +201,30 @@ if "kernels" in parts:
     from torch.profiler import ProfilerActivity, profile
 
     from benchmarks.smol_random import smol_checkpoint
-    from dspark.drafters import shipped_drafter
-    from dspark.engine.cuda_graphs import VERIFY_GREEDY
+    from dspark.drafters import default_speculative_config, shipped_drafter
+    from dspark.engine.cuda_graphs import VERIFY_GREEDY, VERIFY_SAMPLED
 
     target = smol_checkpoint()
     kern: dict = {}
+    sampled = os.environ.get("KERNELS_SAMPLED") == "1"
+    tag = "/T1" if sampled else ""
     for spec in (False, True):
         kw = dict(device="cuda", dtype="bfloat16", max_model_len=2048, max_num_seqs=32, attention_backend="triton",
                   kv_cache_memory_gb=4)
-        if spec:
-            kw["speculative_config"] = {"model": str(shipped_drafter("smollm2-135m-instruct"))}
+        if spec:  # the shipped drafter's recommended settings (the sampled-batch rule) as SmolLM2's engine applies them
+            kw["speculative_config"] = (default_speculative_config("smollm2-135m-instruct") if sampled
+                                        else {"model": str(shipped_drafter("smollm2-135m-instruct"))})
         name = "dspark" if spec else "plain"
         try:
             llm = LLM(str(target), **kw)
-            gr = llm.engine.runner.graphs
-            for B in (1, 32):
+            for B in (int(b) for b in os.environ.get("KERNELS_B", "1,32").split(",")):
+                gr = llm.engine.runner.graphs
+                rule = getattr(llm.engine, "verify_policy", None)
+                if spec and sampled and B >= getattr(rule, "min_batch", 1 << 30):  # the sampled-batch rule's set
+                    gr = llm.engine.runner.graph_sets[rule.short]
                 Bg, bucket, _ = fill(gr, B, 1000)
-                seq = [gr.target[(Bg, bucket)]] + ([gr.verify[(Bg, VERIFY_GREEDY)], gr.draft[(Bg, bucket, False)]]
+                seq = [gr.target[(Bg, bucket)]] + ([gr.verify[(Bg, VERIFY_SAMPLED if sampled else VERIFY_GREEDY)],
+                                                    gr.draft[(Bg, bucket, sampled)]]
                                                    if spec else [gr.sample[(Bg, False)]])
                 reps = 50
                 for _ in range(5):
@@ -235,11 +244,11 @@ if "kernels" in parts:
                                      "us_per_step": round(t / reps, 2)})
                 rows.sort(key=lambda r: -r["us_per_step"])
                 steps_ms = [replay_ms(gr, {0: c}, 0) for c in seq]
-                kern[f"{name}/B{B}"] = {"graph_ms": [round(x, 4) for x in steps_ms], "total_ms": round(sum(steps_ms), 4),
+                kern[f"{name}/B{B}{tag}"] = {"q": gr.q, "graph_ms": [round(x, 4) for x in steps_ms], "total_ms": round(sum(steps_ms), 4),
                                         "kernels_per_step": round(sum(r["per_step"] for r in rows), 1),
                                         "kernel_us_per_step": round(sum(r["us_per_step"] for r in rows), 1),
                                         "kernels": rows[:40]}
-                report(f"kernels {name}/B{B}", {k: v for k, v in kern[f"{name}/B{B}"].items() if k != "kernels"})
+                report(f"kernels {name}/B{B}{tag}", {k: v for k, v in kern[f"{name}/B{B}{tag}"].items() if k != "kernels"})
                 for r in rows[:25]:
                     print("   ", r, flush=True)
             del llm

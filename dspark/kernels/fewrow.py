@@ -65,6 +65,11 @@ PROGRAM_ROWS = int(os.environ.get("DSPARK_FEWROW_BLOCK_M", "64"))
 # 1.130 -> 1.035 ms, every other step unchanged. End to end (H200, session 52, `dspark bench`, 3 runs): plain batch
 # 32 +4 %, DSpark batch 8 +5-7 %, against DSPARK_FEWROW_MAX_ROWS=16 (the old limit). Larger steps: see PROGRAM_ROWS.
 ENGINE_MAX_ROWS = int(os.environ.get("DSPARK_FEWROW_MAX_ROWS", "64"))
+# Launch settings for programs of 32-64 rows from session 52's sweep at 64 rows (fewrow_config, qkv_rope_config):
+# a layer's chain 23.40 -> 21.73 µs at 64 rows, 22.51 -> 21.65 at 32 (H100; cuBLAS 26.28 / 25.70); at 16 rows the
+# same settings lose (20.52 against 18.86), so smaller programs keep session 35's. DSPARK_FEWROW_WIDE_TUNING=0:
+# session 35's settings at every size (the A/B).
+WIDE_TUNING = os.environ.get("DSPARK_FEWROW_WIDE_TUNING", "1") != "0"
 TARGET_PROGRAMS = 128  # about the SM count (H200: 132): programs wanted for split-K
 
 
@@ -267,9 +272,15 @@ def fewrow_config(K: int, N: int, tiles: int = 1, block_n: int | None = None, bl
     BLOCK_N 32, BLOCK_K 64, 6 stages 4.88 (4.14 without SwiGLU); down 1,536 -> 576 BLOCK_N 32, BLOCK_K 128,
     split-K 6, 3 stages 4.24 (5.01). So: one K slice while K takes at most 9 K steps of 64 (split-K did not
     help there), else BLOCK_K 128 and slices of 2 steps up to ~TARGET_PROGRAMS programs; BLOCK_N 32 for
-    two weight tiles or long K, else 16; the slice's K steps in flight (3-6 stages)."""
+    two weight tiles or long K, else 16; the slice's K steps in flight (3-6 stages).
+
+    Programs of 32 or more rows (WIDE_TUNING; H100 sweep of session 52 at 64 rows, `--sweep --quick`):
+    BLOCK_N 16 always and 6 stages: gate|up 5.86 -> 5.13 µs (cuBLAS 4.48 without SwiGLU), down (so split-K
+    3 of 4 K steps) 5.99 -> 5.08 (5.07); o unchanged (3.38; 3.17)."""
     long_k = K > 9 * 64
-    bn = block_n or _env_int("DSPARK_FEWROW_BLOCK_N") or (32 if tiles == 2 or long_k else 16)
+    bm = program_rows(rows, block_m)
+    wide = WIDE_TUNING and bm >= 32
+    bn = block_n or _env_int("DSPARK_FEWROW_BLOCK_N") or (16 if wide or not (tiles == 2 or long_k) else 32)
     bk = block_k or _env_int("DSPARK_FEWROW_BLOCK_K") or (128 if long_k else 64)
     for v, what in ((bn, "block_n"), (bk, "block_k")):
         if v < 16 or v & (v - 1):
@@ -280,10 +291,9 @@ def fewrow_config(K: int, N: int, tiles: int = 1, block_n: int | None = None, bl
                                                       if long_k else 1)
     per = triton.cdiv(steps, max(1, min(sp, steps)))  # K steps per slice; no empty slice
     sp = triton.cdiv(steps, per)
-    stages = num_stages or _env_int("DSPARK_FEWROW_STAGES") or min(6, max(3, per))
+    stages = num_stages or _env_int("DSPARK_FEWROW_STAGES") or (6 if wide else min(6, max(3, per)))
     # 8 warps for 128-row tiles: at 4 the SmolLM2 products' 128-row launches spill 168-748 B per thread (sm_90,
     # benchmarks/offline_compile.py --fewrow); at 64 rows 8 warps measured slower than 4 (session 51)
-    bm = program_rows(rows, block_m)
     nw = num_warps or _env_int("DSPARK_FEWROW_WARPS") or (8 if bm >= 128 else 4)
     return dict(BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=stages, num_warps=nw, SPLIT=sp, K_PER=per * bk, TILES=tiles,
                 BM=bm)
@@ -294,10 +304,13 @@ def qkv_rope_config(K: int, N: int, D: int, **config) -> dict:
     weight tiles per program (a half-head and its partner). Those tiles give few programs (SmolLM2: 30),
     so for K of at most 9 K steps of 64 (not fewrow_config's long K) split-K 3 and 6 stages: 4.25 against
     4.50 µs per launch at 8 rows (H200, session 36, fewrow_chain_bench.py --sweep --kinds qkvr; split-K
-    did not help linear's K = 576 products, which have 36-60 tiles). The env overrides still apply."""
+    did not help linear's K = 576 products, which have 36-60 tiles). Programs of 32 or more rows (WIDE_TUNING)
+    one K slice: 6.42 -> 5.55 µs at 64 rows (cuBLAS + rope_qk_cache 6.09; H100, session 52). The env overrides
+    still apply."""
     config.pop("block_n", None)
+    wide = WIDE_TUNING and program_rows(config.get("rows", 1), config.get("block_m")) >= 32
     if K <= 9 * 64:
-        config.setdefault("split", _env_int("DSPARK_FEWROW_SPLIT") or 3)
+        config.setdefault("split", _env_int("DSPARK_FEWROW_SPLIT") or (1 if wide else 3))
         config.setdefault("num_stages", _env_int("DSPARK_FEWROW_STAGES") or 6)
     return fewrow_config(K, N, 2, block_n=D // 2, **config)
 

@@ -203,6 +203,14 @@ def test_default_configs() -> None:
     assert fr.fewrow_config(576, 960, rows=100, block_m=128)["num_warps"] == 8
     assert fr.qkv_rope_config(576, 960, 64, rows=100, block_m=128)["num_warps"] == 8
     assert fr.fewrow_config(576, 960, rows=20, block_m=128)["BM"] == 32  # never more than the step's row tile
+    # programs of 32-64 rows (WIDE_TUNING, session 52's sweep): BLOCK_N 16 and 6 stages; down split-K 3; qkv one slice
+    assert fr.WIDE_TUNING
+    down = fr.fewrow_config(1536, 576, rows=64)
+    assert (down["BLOCK_N"], down["BLOCK_K"], down["SPLIT"], down["NUM_STAGES"]) == (16, 128, 3, 6)
+    assert fr.fewrow_config(576, 1536, 2, rows=40)["BLOCK_N"] == 16
+    assert fr.fewrow_config(576, 576, rows=64) == dict(fr.fewrow_config(576, 576), BM=64)  # o: as at 16 rows
+    assert [fr.qkv_rope_config(576, 960, 64, rows=m)["SPLIT"] for m in (16, 17, 64, 200)] == [3, 1, 1, 1]
+    assert fr.qkv_rope_config(576, 960, 64, rows=64, block_m=16)["SPLIT"] == 3  # programs of 16 rows
     # default configurations run (interpreter: one small case)
     s, nw, w, res = _data(3, 1536, 40, torch.float32, seed=1)
     out, _, _ = fr.linear_residual(s, w, res, None)
