@@ -362,7 +362,8 @@ def test_engine_greedy_tokens_fewrow_on_off(model_case, tmp_path_factory, monkey
 def test_engine_greedy_tokens_fewrow_on_off_past_16_rows(model_case, tmp_path_factory, monkeypatch) -> None:
     """As above with six requests and a 64-token budget: verification steps of 6 x (1 + 4) rows and prefill
     chunks beside them, so steps of 17-64 rows run on row tiles of 32 and 64 (fp32: the same greedy tokens and
-    acceptance with the few-row kernels as without)."""
+    acceptance with the few-row kernels as without); and again in programs of 16 rows (PROGRAM_ROWS), so those
+    steps run 2-4 row blocks per product, session 35's launch settings instead of the wide ones."""
     from dspark import LLM
     from dspark.models.llama import DecoderLayer
     from tests.models.test_fused_forward import GREEDY, engine_case
@@ -378,11 +379,19 @@ def test_engine_greedy_tokens_fewrow_on_off_past_16_rows(model_case, tmp_path_fa
     orig = DecoderLayer.forward_fewrow
     monkeypatch.setattr(DecoderLayer, "forward_fewrow",
                         lambda self, x, *a, **k: rows.append(x.shape[0]) or orig(self, x, *a, **k))
+    blocks = []
+    orig_launch = fr._launch
+    monkeypatch.setattr(fr, "_launch", lambda a, *r, **k: blocks.append(-(-a.shape[0] // r[4]["BM"])) or
+                        orig_launch(a, *r, **k))
     runs = []
-    for on in (False, True):
+    for on, program_rows in ((False, 64), (True, 64), (True, 16)):
+        monkeypatch.setattr(fr, "PROGRAM_ROWS", program_rows)
         llm = LLM(str(path), attention_backend="triton", **kw)
         llm.engine.runner.model.small_m_gemv, llm.engine.runner.model.fewrow = False, on
         runs.append(([o.token_ids for o in llm.generate(prompts, GREEDY)],
                      (llm.engine.spec_stats.num_drafts, llm.engine.spec_stats.num_accepted)))
-    assert runs[0] == runs[1] and runs[0][1][0] > 0
+        if on:
+            assert max(blocks) == (1 if program_rows == 64 else 4), (program_rows, max(blocks))
+            blocks.clear()
+    assert runs[0] == runs[1] == runs[2] and runs[0][1][0] > 0
     assert max(rows) > 16 and max(rows) <= 64, rows
