@@ -7,7 +7,8 @@ kernels in both), RoPE + the K/V cache write are in (rope_qk_cache after the qkv
 does them in its qkv epilogue, as DecoderLayer.forward_fewrow). Each chain is captured as one CUDA graph
 and replayed.
 
-    python3 benchmarks/fewrow_chain_bench.py OUT.json [--rows 2,8,16] [--sweep [--kinds qkvr,o,gu,d]] [--block-m 32,64,128]
+    python3 benchmarks/fewrow_chain_bench.py OUT.json [--rows 2,8,16] [--sweep [--quick] [--kinds qkvr,o,gu,d]]
+                                                      [--block-m 32,64,128]
 
 Any row count: programs of the step's row tile (fewrow.row_tile) up to fewrow.PROGRAM_ROWS (64) rows, more rows in
 row blocks (fewrow.program_rows). --block-m also times the chain with programs of at most that many rows, each value.

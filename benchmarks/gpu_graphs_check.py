@@ -244,11 +244,13 @@ if "kernels" in parts:
                                      "us_per_step": round(t / reps, 2)})
                 rows.sort(key=lambda r: -r["us_per_step"])
                 steps_ms = [replay_ms(gr, {0: c}, 0) for c in seq]
-                kern[f"{name}/B{B}{tag}"] = {"q": gr.q, "graph_ms": [round(x, 4) for x in steps_ms], "total_ms": round(sum(steps_ms), 4),
-                                        "kernels_per_step": round(sum(r["per_step"] for r in rows), 1),
-                                        "kernel_us_per_step": round(sum(r["us_per_step"] for r in rows), 1),
-                                        "kernels": rows[:40]}
-                report(f"kernels {name}/B{B}{tag}", {k: v for k, v in kern[f"{name}/B{B}{tag}"].items() if k != "kernels"})
+                key = f"{name}/B{B}{tag}"
+                kern[key] = {"q": gr.q, "graph_ms": [round(x, 4) for x in steps_ms],
+                             "total_ms": round(sum(steps_ms), 4),
+                             "kernels_per_step": round(sum(r["per_step"] for r in rows), 1),
+                             "kernel_us_per_step": round(sum(r["us_per_step"] for r in rows), 1),
+                             "kernels": rows[:40]}
+                report(f"kernels {key}", {k: v for k, v in kern[key].items() if k != "kernels"})
                 for r in rows[:25]:
                     print("   ", r, flush=True)
             del llm

@@ -14,7 +14,8 @@ else happens once the products are done:
 so the producer of ``s`` (the o_proj or down_proj product, whose epilogue adds the residual) also stores
 ``z = g * s`` for the next product and the per-tile sums of squares of ``s``; the consumer multiplies
 its finished products by ``1 / rms`` from those sums. The sums are written per program (``[tiles, row_tile]``
-fp32, each program its column tile's rows) and summed in a fixed order by the consumer: no atomics, so results do not depend on scheduling.
+fp32, each program its column tile's rows) and summed in a fixed order by the consumer: no atomics, so results
+do not depend on scheduling.
 A layer (the first layer's qkv takes the already normed embeddings):
 
     q = qkv_rope_cache(z_in, W_qkv, sumsq_in, ...)   (q/k norm, RoPE, K/V cache write)  -> attention
@@ -50,11 +51,14 @@ from dspark.kernels.fused_ops import (
 )
 
 BM = 16  # the smallest row tile (one MMA tile of rows; steps of up to 16 rows: row_tile)
-# The rows one program multiplies (its BM; program_rows): a step's row tile (16, 32, 64) up to PROGRAM_ROWS, more rows in
-# row blocks of PROGRAM_ROWS on the grid's third axis, so a step of 128 or 256 rows runs 64-row programs (the largest
+# The rows one program multiplies (its BM; program_rows): a step's row tile (16, 32, 64) up to PROGRAM_ROWS, more
+# rows in row blocks of PROGRAM_ROWS on the grid's third axis, so a step of 128 or 256 rows runs 64-row programs (the largest
 # that beat cuBLAS, session 51) 2 or 4 times over. One program of 128 rows (8 warps: 4 spill;
 # benchmarks/offline_compile.py --fewrow) made verification at batch 32 (128 rows) slower than cuBLAS: the target's
-# step 1.49 against 1.39 ms (H200, session 52, DSPARK_FEWROW_MAX_ROWS=128 before row blocks).
+# step 1.49 against 1.39 ms (H200, session 52, DSPARK_FEWROW_MAX_ROWS=128 before row blocks). Row blocks of 64 (H100,
+# session 52, session 35's launch settings): a layer's chain 26.9 against cuBLAS's 27.8 µs at 128 rows, 28.5 against
+# 26.9 at 96, 36.5 against 28.7 at 256; the batch-32 verification step 1.405 against 1.403 ms. So steps of more than
+# 64 rows stay on cuBLAS (ENGINE_MAX_ROWS) until the settings for 32-64-row programs (WIDE_TUNING) are timed there.
 PROGRAM_ROWS = int(os.environ.get("DSPARK_FEWROW_BLOCK_M", "64"))
 # The steps the engine gives these kernels (LlamaForCausalLM.fewrow_max_rows, DSparkProposer's block pass): up to
 # 64 rows, so a verification at batch 1-8 and plain decoding at batch 2-64 run 5 launches per layer instead of
@@ -564,6 +568,7 @@ def linear_residual_reference(x: Tensor, w_t: Tensor, residual: Tensor) -> Tenso
 
 
 __all__ = [
-    "ENGINE_MAX_ROWS", "PROGRAM_ROWS", "SumSq", "row_tile", "program_rows", "fewrow_config", "gate_up_silu", "o_proj_and_mlp", "gate_up_silu_reference", "linear", "linear_reference",
+    "ENGINE_MAX_ROWS", "PROGRAM_ROWS", "WIDE_TUNING", "SumSq", "row_tile", "program_rows", "fewrow_config",
+    "gate_up_silu", "o_proj_and_mlp", "gate_up_silu_reference", "linear", "linear_reference",
     "linear_residual", "linear_residual_reference", "norm_input", "qkv_rope_cache", "qkv_rope_cache_reference",
 ]
