@@ -119,9 +119,9 @@ def drafter_seed_reports(arch: int = 90, sms: int = 132) -> list[dict]:
 
 def fewrow_reports(arch: int = 90, row_tiles: tuple[int, ...] = (16, 32, 64, 128)) -> list[dict]:
     """kernels/fewrow.py's four products of a SmolLM2-135M layer (qkv + RoPE + K/V write, o + residual, gate|up +
-    SwiGLU, down + residual, split-K) at their default launches (fewrow_config / qkv_rope_config), bf16, per
-    program row tile (block_m; the engine's programs take at most fewrow.PROGRAM_ROWS, 64): does a larger tile of
-    the same launch spill, or lose the tensor cores?"""
+    SwiGLU, down + residual, split-K) at the default launch of each program row tile (fewrow_config /
+    qkv_rope_config with block_m = the tile: 32-64-row programs take their own settings, fewrow.WIDE_TUNING; the
+    engine's programs take at most fewrow.PROGRAM_ROWS, 64), bf16: does a launch spill, or lose the tensor cores?"""
     from dspark.kernels import fewrow as fr
 
     ptrs = {"pin_ptr": "*fp32", "pout_ptr": "*fp32", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "pos_ptr": "*i64",
@@ -135,22 +135,22 @@ def fewrow_reports(arch: int = 90, row_tiles: tuple[int, ...] = (16, 32, 64, 128
         else:
             types[prm.name] = "fp32" if prm.name in ("eps", "qk_eps") else "i32"
     H, Q, I, D = 576, 960, 1536, 64
-    products = {  # name -> (config, flags)
-        "qkv_rope": (fr.qkv_rope_config(H, Q, D), dict(SCALE=True, ROPE=True, D=D)),
-        "o_resid": (fr.fewrow_config(H, H), dict(RESID=True, HAS_G=True)),
-        "gate_up_silu": (fr.fewrow_config(H, I, 2), dict(SCALE=True, GATE_UP=True)),
-        "down_resid": (fr.fewrow_config(I, H), dict(RESID=True, HAS_G=True)),
+    products = {  # name -> (its launch for programs of bm rows, flags)
+        "qkv_rope": (lambda bm: fr.qkv_rope_config(H, Q, D, rows=bm, block_m=bm), dict(SCALE=True, ROPE=True, D=D)),
+        "o_resid": (lambda bm: fr.fewrow_config(H, H, rows=bm, block_m=bm), dict(RESID=True, HAS_G=True)),
+        "gate_up_silu": (lambda bm: fr.fewrow_config(H, I, 2, rows=bm, block_m=bm), dict(SCALE=True, GATE_UP=True)),
+        "down_resid": (lambda bm: fr.fewrow_config(I, H, rows=bm, block_m=bm), dict(RESID=True, HAS_G=True)),
     }
     reports = []
-    for name, (cfg, flags) in products.items():
+    for name, (launch, flags) in products.items():
         for bm in row_tiles:
-            warps = fr.fewrow_config(H, H, rows=bm, block_m=bm)["num_warps"]  # the warps follow the program's rows
+            cfg = launch(bm)  # block_n, stages, split and warps follow the program's rows (fewrow.WIDE_TUNING)
             consts = dict(BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], NUM_STAGES=cfg["NUM_STAGES"], P_PAD=32,
                           SPLIT=cfg["SPLIT"], BM=bm, SCALE=False, GATE_UP=False, RESID=False, HAS_G=False, PRECISE=True,
                           IEEE=False, ROPE=False, D=2, QK_NORM=False)
             consts.update(flags)
-            rep = compile_report(fr._fewrow_kernel, consts, types, warps, cfg["NUM_STAGES"], arch)
-            reports.append({"product": name, "row_tile": bm, **rep})
+            rep = compile_report(fr._fewrow_kernel, consts, types, cfg["num_warps"], cfg["NUM_STAGES"], arch)
+            reports.append({"product": name, "row_tile": bm, "block_n": cfg["BLOCK_N"], "split": cfg["SPLIT"], **rep})
     return reports
 
 
