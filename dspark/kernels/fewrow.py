@@ -160,18 +160,18 @@ def _fewrow_kernel(
             if ROPE:
                 _rope_epilogue(acc, acc_u, rows, rm, n, y_ptr, stride_y, pin_ptr, n_pin, eps, pos_ptr, cos_ptr,
                                sin_ptr, stride_cs, qn_ptr, kn_ptr, qk_eps, kc_ptr, vc_ptr, sc_slot, sc_head,
-                               slot_ptr, Q_SIZE, KV_SIZE, pid, K, RT, BLOCK_N, P_PAD, BM, D, SCALE, QK_NORM)
+                               slot_ptr, Q_SIZE, KV_SIZE, pid, K, RT, BLOCK_N, P_PAD, D, SCALE, QK_NORM)
             else:
                 _epilogue(acc, acc_u, rows, rm, n, nm, y_ptr, stride_y, pin_ptr, n_pin, eps, r_ptr, stride_r,
-                          z_ptr, stride_z, g_ptr, pout_ptr, pid, K, RT, P_PAD, BM, SCALE, GATE_UP, RESID, HAS_G,
+                          z_ptr, stride_z, g_ptr, pout_ptr, pid, K, RT, P_PAD, SCALE, GATE_UP, RESID, HAS_G,
                           PRECISE)
     elif ROPE:
         _rope_epilogue(acc, acc_u, rows, rm, n, y_ptr, stride_y, pin_ptr, n_pin, eps, pos_ptr, cos_ptr, sin_ptr,
                        stride_cs, qn_ptr, kn_ptr, qk_eps, kc_ptr, vc_ptr, sc_slot, sc_head, slot_ptr, Q_SIZE,
-                       KV_SIZE, pid, K, RT, BLOCK_N, P_PAD, BM, D, SCALE, QK_NORM)
+                       KV_SIZE, pid, K, RT, BLOCK_N, P_PAD, D, SCALE, QK_NORM)
     else:
         _epilogue(acc, acc_u, rows, rm, n, nm, y_ptr, stride_y, pin_ptr, n_pin, eps, r_ptr, stride_r, z_ptr,
-                  stride_z, g_ptr, pout_ptr, pid, K, RT, P_PAD, BM, SCALE, GATE_UP, RESID, HAS_G, PRECISE)
+                  stride_z, g_ptr, pout_ptr, pid, K, RT, P_PAD, SCALE, GATE_UP, RESID, HAS_G, PRECISE)
 
 
 @triton.jit
@@ -186,7 +186,7 @@ def _inv_rms(pin_ptr, n_pin, rows, rm, eps, K, RT, P_PAD: tl.constexpr):
 @triton.jit
 def _rope_epilogue(acc, acc_p, rows, rm, n, y_ptr, stride_y, pin_ptr, n_pin, eps, pos_ptr, cos_ptr, sin_ptr,
                    stride_cs, qn_ptr, kn_ptr, qk_eps, kc_ptr, vc_ptr, sc_slot, sc_head, slot_ptr, Q_SIZE, KV_SIZE,
-                   pid, K, RT, BLOCK_N: tl.constexpr, P_PAD: tl.constexpr, BM: tl.constexpr, D: tl.constexpr,
+                   pid, K, RT, BLOCK_N: tl.constexpr, P_PAD: tl.constexpr, D: tl.constexpr,
                    SCALE: tl.constexpr, QK_NORM: tl.constexpr):
     """fused_ops.rope_qk_cache on this program's half-head of the rounded qkv product (x) and its
     partner half (xp), with the same roundings: q/k norm over the whole head, RoPE, q stored, k / v
@@ -234,7 +234,7 @@ def _rope_epilogue(acc, acc_p, rows, rm, n, y_ptr, stride_y, pin_ptr, n_pin, eps
 
 @triton.jit
 def _epilogue(acc, acc_u, rows, rm, n, nm, y_ptr, stride_y, pin_ptr, n_pin, eps, r_ptr, stride_r, z_ptr, stride_z,
-              g_ptr, pout_ptr, pid, K, RT, P_PAD: tl.constexpr, BM: tl.constexpr, SCALE: tl.constexpr,
+              g_ptr, pout_ptr, pid, K, RT, P_PAD: tl.constexpr, SCALE: tl.constexpr,
               GATE_UP: tl.constexpr, RESID: tl.constexpr, HAS_G: tl.constexpr, PRECISE: tl.constexpr):
     dt = y_ptr.dtype.element_ty
     if SCALE:  # 1 / rms of the rows z was made from
