@@ -87,6 +87,40 @@ def bench_graph(fn, rep: int) -> float | None:
         return None
 
 
+def _rows_plain(name, R, logits, batch, out, rep, tiles) -> list[dict]:
+    """Temperature-only rows: kernels/softmax.py (probabilities and argmax, at each of ``tiles``) against
+    torch (compute_probs + argmax) and the fused sampler's processed_probs (probabilities only)."""
+    from dspark.kernels.softmax import temperature_softmax_argmax
+    from dspark.sample.sampler import compute_probs
+
+    def ref():
+        return compute_probs(logits, batch), logits.argmax(-1)
+
+    ref_q, ref_am = ref()
+    am = torch.empty(R, dtype=torch.int64, device="cuda")
+    t_ref, g_ref = bench(ref, rep), bench_graph(ref, rep)
+    g_pp = bench_graph(lambda: processed_probs(logits, batch, probs_out=out), rep)
+    print(f"  graphs: torch {g_ref * 1e3:.1f} us, processed_probs (no argmax) {g_pp * 1e3:.1f} us")
+    rows = []
+    for tile in tiles or [None]:
+        kw = {} if tile is None else {"block_v": tile[0], "num_warps": tile[1]}
+
+        def fused():
+            return temperature_softmax_argmax(logits, batch.temperature, probs_out=out, argmax_out=am, **kw)
+
+        q = fused()[0].clone()
+        diff = float((q - ref_q).abs().max())
+        ok = diff <= 1e-6 and torch.equal(am, ref_am)
+        config = name if tile is None else f"{name} v{tile[0]}w{tile[1]}"
+        rows.append(dict(op="softmax+argmax", config=config, batch=R, gamma=None, rows=R, ref_ms=t_ref,
+                         ref_graph_ms=g_ref, processed_probs_graph_ms=g_pp, triton_ms=bench(fused, rep),
+                         graph_ms=bench_graph(fused, rep), max_abs_diff=diff, correct=ok,
+                         **({} if tile is None else {"block_v": tile[0], "num_warps": tile[1]})))
+        rows[-1]["speedup"] = rows[-1]["ref_ms"] / rows[-1]["triton_ms"]
+        print_row(rows[-1])
+    return rows
+
+
 # ----------------------------------------------------------------------------- Markov sampler
 def markov_inputs(B: int, gamma: int, sampling: str, seed: int = 0):
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -135,19 +169,26 @@ def run_markov(batches: list[int], gammas: list[int], rep: int, tiles: list[tupl
 
 # ------------------------------------------------------------- independent rows (Sampler(fused=True))
 ROW_SAMPLING = {  # name -> (params, logit scale, hot tokens per row)
+    "T=1": (dict(temperature=1.0), 2.0, 24),  # the verification of a sampled batch: probs and argmax
     "T=1,top_p=0.9": (dict(temperature=1.0, top_p=0.9), 2.0, 24),
     "T=0.7,top_k=20,top_p=0.8": (dict(temperature=0.7, top_k=20, top_p=0.8), 2.0, 24),
     "T=1,top_p=0.9,flat": (dict(temperature=1.0, top_p=0.9), 1.0, 0),  # thousands kept: bisection
 }
 
 
-def run_rows(row_counts: list[int], rep: int) -> list[dict]:
+def run_rows(row_counts: list[int], rep: int, tiles: list[tuple[int, int]] | None = None,
+             configs: list[str] | None = None) -> list[dict]:
     """The target's verification rows (``processed_probs`` against ``compute_probs``, which sorts each
-    row) and plain top-p sampling (``sample_rows`` against ``Sampler()``), R independent rows."""
+    row) and plain top-p sampling (``sample_rows`` against ``Sampler()``), R independent rows. The
+    temperature-only rows ("T=1") time what a sampled batch's verification graph runs: the probabilities
+    and every row's argmax (kernels/softmax.py against ``compute_probs`` + ``argmax``), at each
+    (block_v, num_warps) of ``tiles``."""
     from dspark.sample.sampler import Sampler, compute_probs
 
     rows = []
     for name, (kw, scale, hot) in ROW_SAMPLING.items():
+        if configs and name not in configs:
+            continue
         for R in row_counts:
             g = torch.Generator(device="cuda").manual_seed(R)
             logits = torch.randn(R, VOCAB, device="cuda", generator=g) * scale
@@ -158,6 +199,9 @@ def run_rows(row_counts: list[int], rep: int) -> list[dict]:
             batch = SamplingBatch.build([SamplingParams(**kw)] * R, list(range(1, R + 1)), pos, [[]] * R, [[]] * R,
                                         VOCAB, "cuda")
             out = torch.empty(R, VOCAB, device="cuda")
+            if name == "T=1":
+                rows += _rows_plain(name, R, logits, batch, out, rep, tiles)
+                continue
             q, ref_q = processed_probs(logits, batch, probs_out=out), compute_probs(logits, batch)
             # Flat rows put thousands of tokens above the top-p cut, where the float sums of the two ways
             # (a sorted cumsum, tile sums) may disagree on the boundary token: counted, and it must be rare
@@ -304,6 +348,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="time the Markov sampler at these block_v:num_warps settings side by side, e.g. "
                          "256:4,1024:4,2048:8 (default: its defaults)")
     ap.add_argument("--batches", default=None, help="batch sizes, e.g. 32,128 (default: 1,8,32; --quick 1,32)")
+    ap.add_argument("--rows", default="1,8,32,256", help="--only rows: row counts (default 1,8,32,256)")
+    ap.add_argument("--rows-configs", default=None, help="--only rows: these ROW_SAMPLING names only, e.g. T=1")
+    ap.add_argument("--rows-tiles", default=None, metavar="V:W,...",
+                    help="--only rows: time the temperature-only rows at these block_v:num_warps settings")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("kernel_ops_bench needs a CUDA GPU", file=sys.stderr)
@@ -319,7 +367,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.only in (None, "markov"):
         rows += run_markov(batches, gammas, rep, tiles)
     if args.only in (None, "rows"):
-        rows += run_rows([1, 8, 32, 256], rep)
+        rtiles = [tuple(int(x) for x in t.split(":")) for t in args.rows_tiles.split(",")] if args.rows_tiles else None
+        rows += run_rows([int(r) for r in args.rows.split(",")], rep, rtiles,
+                         args.rows_configs.split(",") if args.rows_configs else None)
     if args.only in (None, "layers"):
         rows += run_layer_ops(batches, rep)
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,

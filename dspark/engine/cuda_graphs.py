@@ -324,11 +324,12 @@ class StepGraphs:
 
         q, V = self.q, self.runner.vocab_size
         logits = self.logits[:B * q].view(B, q, V)
-        am = logits.argmax(dim=-1)
         drafts = self.input_ids[:B * q].view(B, q)[:, 1:]
         nd = self.num_drafts[:B]
-        out, n_out = verify_greedy_rows(am, drafts, nd)
-        if kind != VERIFY_GREEDY:
+        if kind == VERIFY_GREEDY:
+            am = logits.argmax(dim=-1)
+            out, n_out = verify_greedy_rows(am, drafts, nd)
+        else:
             s = self._rows(B)
             t = s.temperature
             plain = kind == VERIFY_SAMPLED
@@ -336,7 +337,10 @@ class StepGraphs:
             rep = {k: getattr(s, k).repeat_interleave(q) for k in ("temperature", "top_k", "top_p", "min_p")}
             rows = replace(s, **rep, positions=self.num_tokens[:B], all_random=True, no_top_k=plain, no_top_p=plain,
                            no_min_p=plain)
-            probs = self.runner.sampler.probs(logits.reshape(-1, V), rows).view(B, q, V)
+            # the processed distributions and every row's argmax (greedy rows' verification) in one go
+            probs, am = self.runner.sampler.probs_argmax(logits.reshape(-1, V), rows)
+            probs, am = probs.view(B, q, V), am.view(B, q)
+            out, n_out = verify_greedy_rows(am, drafts, nd)
             r = self.runner
             o, n = r._verify_probabilistic(r.spec.rejection_sample_method, probs, drafts, self.vq[:B], nd,
                                            s.seeds, self.num_tokens[:B])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -278,6 +279,10 @@ def compute_probs(logits: Tensor, batch: SamplingBatch) -> Tensor:
     return torch.where((batch.temperature == 0).unsqueeze(1), one_hot, probs)
 
 
+# Sampler(fused=True).probs for rows at a temperature only (no filter, no penalty) through kernels/softmax.py;
+# off (DSPARK_FUSED_PLAIN_PROBS=0) for the A/B against torch's division + softmax + argmax.
+FUSED_PLAIN_PROBS = os.environ.get("DSPARK_FUSED_PLAIN_PROBS", "1") != "0"
+
 CANDIDATE_LIMIT = 1024  # random rows with top_k <= this sample from their top_k candidates only
 
 
@@ -334,13 +339,30 @@ class Sampler:
     def _use_fused(self, logits: Tensor, batch: SamplingBatch) -> bool:
         return self.fused and logits.is_cuda and not batch.all_greedy and not (batch.no_top_k and batch.no_top_p)
 
+    def _plain_rows(self, logits: Tensor, batch: SamplingBatch) -> bool:
+        """Rows at a temperature only (no filter, no penalty): kernels/softmax.py's two launches in place of
+        torch's division, softmax and (probs_argmax) argmax. FUSED_PLAIN_PROBS=False: torch's."""
+        return (self.fused and FUSED_PLAIN_PROBS and logits.is_cuda and not batch.all_greedy and batch.no_top_k
+                and batch.no_top_p and batch.no_min_p and batch.no_penalties)
+
     def probs(self, logits: Tensor, batch: SamplingBatch) -> Tensor:
         """``compute_probs(logits, batch)`` ([B, V] f32), fused where ``fused`` says."""
+        if self._plain_rows(logits, batch):
+            return self.probs_argmax(logits, batch)[0]
         if self._use_fused(logits, batch):
             from dspark.kernels.markov_sampler import processed_probs
 
             return processed_probs(logits, batch)
         return compute_probs(logits, batch)
+
+    def probs_argmax(self, logits: Tensor, batch: SamplingBatch) -> tuple[Tensor, Tensor]:
+        """(``probs(logits, batch)``, ``logits.argmax(-1)``): a sampled batch's verification needs both; for
+        rows at a temperature only they come from the same two passes over the logits."""
+        if self._plain_rows(logits, batch):
+            from dspark.kernels.softmax import temperature_softmax_argmax
+
+            return temperature_softmax_argmax(logits, batch.temperature, one_hot_greedy=not batch.all_random)
+        return self.probs(logits, batch), logits.argmax(dim=-1)
 
     def __call__(self, logits: Tensor, batch: SamplingBatch, stream: int = STREAM_SAMPLE,
                  no_sync: bool = False) -> Tensor:

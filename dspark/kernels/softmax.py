@@ -1,0 +1,147 @@
+"""Temperature softmax and arg-max of independent rows in two launches, with its PyTorch reference.
+
+What a sampled batch's verification needs from the target's logits (engine/cuda_graphs.py ``_verify_step``,
+ModelRunner._verify): for R rows of V logits at temperature t (no top-k / top-p / min-p, no penalties)
+
+    probs[r]  = softmax(logits[r] / t_r)      (t_r = 0 divides by 1, as sampler.apply_temperature)
+    argmax[r] = argmax(logits[r])             (first index on ties, as torch.argmax)
+
+i.e. ``sampler.compute_probs`` of an ``all_random`` batch without filters, and the raw argmax every greedy
+row is verified by. Torch runs that as three passes over [R, V] fp32 (the division writing a scaled copy,
+softmax, argmax: 56 µs at 128 x 49,152 on the H100, session 52's profile); the fused sampler
+(markov_sampler.processed_probs) does it in two launches but pays for its generality (per-row filter settings,
+a scratch copy of the scaled logits, atomics): 68 µs there, no gain (session 53).
+
+Here, two launches over a grid of (row, vocabulary tile), no scratch copy, no atomics:
+- **A** reads its tile once: tile maximum and first arg-max of the raw logits, and of z = x / t the tile
+  maximum and Σ exp(z - max) (partials [R, NT]).
+- **B** reduces the row's NT partials (a few dozen values, redundantly in every program of the row),
+  reads its tile again (from L2 at these sizes) and writes exp(z - M) / Z; the row's first program writes
+  the arg-max.
+So [R, V] is read twice and written once. The division is ``div_rn`` (Triton's ``/`` is approximate on
+NVIDIA GPUs), so z is bit-equal to torch's; the sums differ from torch's softmax only in their order.
+``ONE_HOT_GREEDY``: rows at temperature 0 get the one-hot of their arg-max instead (compute_probs of a
+batch that is not ``all_random``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+import triton
+import triton.language as tl
+
+from dspark.kernels import check_device, next_pow2
+
+_NEG_INF = tl.constexpr(float("-inf"))
+
+# (BLOCK_V, num_warps) on a GPU; the interpreter takes small tiles (the tests' vocabularies). H100, CUDA-graph µs
+# for probabilities + argmax of V = 49,152 at 32 / 128 / 256 rows (session 53, kernel_ops_bench.py --only rows
+# --rows-tiles): 512 x 4 11.9 / 37.9 / 73.1, 1024 x 4 9.0 / 28.9 / 60.4, 2048 x 4 8.3 / 27.1 / 57.9, 2048 x 8
+# 8.0 / 27.5 / 59.0, 4096 x 8 8.3 / 27.7 / 59.4; torch (division, softmax, argmax) 35.1 / 66.4 / 134.6.
+TILE_CUDA = (2048, 4)
+TILE_CPU = (128, 4)
+
+
+@triton.jit
+def _partials_kernel(x_ptr, stride_x, t_ptr, amax_ptr, aidx_ptr, zmax_ptr, zsum_ptr, V, NT_PAD: tl.constexpr,
+                     BLOCK_V: tl.constexpr):
+    b = tl.program_id(0)
+    t = tl.program_id(1)
+    cols = t * BLOCK_V + tl.arange(0, BLOCK_V)
+    cm = cols < V
+    x = tl.load(x_ptr + b * stride_x + cols, mask=cm, other=_NEG_INF)
+    temp = tl.load(t_ptr + b)
+    temp = tl.where(temp == 0.0, 1.0, temp)
+    z = tl.math.div_rn(x, tl.zeros_like(x) + temp)
+    zm = tl.max(z, 0)
+    tl.store(amax_ptr + b * NT_PAD + t, tl.max(x, 0))
+    tl.store(aidx_ptr + b * NT_PAD + t, t * BLOCK_V + tl.argmax(x, 0))
+    tl.store(zmax_ptr + b * NT_PAD + t, zm)
+    tl.store(zsum_ptr + b * NT_PAD + t, tl.sum(tl.where(cm, tl.exp(z - zm), 0.0), 0))
+
+
+@triton.jit
+def _probs_kernel(x_ptr, stride_x, t_ptr, amax_ptr, aidx_ptr, zmax_ptr, zsum_ptr, q_ptr, stride_q, am_ptr, V, NT,
+                  NT_PAD: tl.constexpr, BLOCK_V: tl.constexpr, ONE_HOT_GREEDY: tl.constexpr):
+    b = tl.program_id(0)
+    t = tl.program_id(1)
+    tt = tl.arange(0, NT_PAD)
+    tm = tt < NT
+    mz = tl.load(zmax_ptr + b * NT_PAD + tt, mask=tm, other=_NEG_INF)
+    se = tl.load(zsum_ptr + b * NT_PAD + tt, mask=tm, other=0.0)
+    M = tl.max(mz, 0)
+    Z = tl.sum(tl.where(tm, se * tl.exp(mz - M), 0.0), 0)
+    # the row's first arg-max: the first tile holding the maximum, then that tile's first index
+    am_v = tl.load(amax_ptr + b * NT_PAD + tt, mask=tm, other=_NEG_INF)
+    first = tl.min(tl.where(tm & (am_v == tl.max(am_v, 0)), tt, NT_PAD), 0)
+    arg = tl.sum(tl.where(tt == first, tl.load(aidx_ptr + b * NT_PAD + tt, mask=tm, other=0), 0), 0)
+    cols = t * BLOCK_V + tl.arange(0, BLOCK_V)
+    cm = cols < V
+    x = tl.load(x_ptr + b * stride_x + cols, mask=cm, other=_NEG_INF)
+    temp = tl.load(t_ptr + b)
+    greedy = temp == 0.0
+    temp = tl.where(greedy, 1.0, temp)
+    z = tl.math.div_rn(x, tl.zeros_like(x) + temp)
+    q = tl.exp(z - M) / Z
+    if ONE_HOT_GREEDY:
+        q = tl.where(greedy, (cols == arg).to(tl.float32), q)
+    tl.store(q_ptr + b * stride_q + cols, q, mask=cm)
+    if t == 0:
+        tl.store(am_ptr + b, arg.to(tl.int64))
+
+
+def temperature_softmax_argmax(logits: Tensor, temperature: Tensor, *, probs_out: Tensor | None = None,
+                               argmax_out: Tensor | None = None, one_hot_greedy: bool = False,
+                               block_v: int | None = None, num_warps: int | None = None) -> tuple[Tensor, Tensor]:
+    """(probs [R, V] fp32, argmax [R] int64) of ``logits`` [R, V] (fp32, unit column stride; other dtypes are
+    converted) at ``temperature`` [R] (module docstring). ``probs_out`` / ``argmax_out``: tensors to write into
+    (a CUDA graph's buffers). Never reads a device value on the host: capturable."""
+    check_device(logits)
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [R, V], got shape {tuple(logits.shape)}")
+    R, V = logits.shape
+    dev = logits.device
+    if logits.dtype != torch.float32 or logits.stride(-1) != 1:
+        logits = logits.float().contiguous()
+    if temperature.shape != (R,):
+        raise ValueError(f"temperature must be [{R}], got shape {tuple(temperature.shape)}")
+    temperature = temperature.to(device=dev, dtype=torch.float32)
+    if probs_out is None:
+        probs_out = torch.empty(R, V, dtype=torch.float32, device=dev)
+    elif probs_out.shape != (R, V) or probs_out.dtype != torch.float32 or probs_out.stride(-1) != 1:
+        raise ValueError(f"probs_out must be a float32 {(R, V)} tensor with unit column stride")
+    if argmax_out is None:
+        argmax_out = torch.empty(R, dtype=torch.int64, device=dev)
+    elif argmax_out.shape != (R,) or argmax_out.dtype != torch.int64:
+        raise ValueError(f"argmax_out must be an int64 ({R},) tensor")
+    if R == 0:
+        return probs_out, argmax_out
+    tile_v, warps = TILE_CUDA if logits.is_cuda else TILE_CPU
+    block_v = block_v or tile_v
+    nt = triton.cdiv(V, block_v)
+    nt_pad = next_pow2(nt)
+    f32 = dict(dtype=torch.float32, device=dev)
+    amax, zmax, zsum = (torch.empty(R, nt_pad, **f32) for _ in range(3))
+    aidx = torch.empty(R, nt_pad, dtype=torch.int32, device=dev)
+    _partials_kernel[(R, nt)](logits, logits.stride(0), temperature, amax, aidx, zmax, zsum, V, NT_PAD=nt_pad,
+                              BLOCK_V=block_v, num_warps=num_warps or warps)
+    _probs_kernel[(R, nt)](logits, logits.stride(0), temperature, amax, aidx, zmax, zsum, probs_out,
+                           probs_out.stride(0), argmax_out, V, nt, NT_PAD=nt_pad, BLOCK_V=block_v,
+                           ONE_HOT_GREEDY=one_hot_greedy, num_warps=num_warps or warps)
+    return probs_out, argmax_out
+
+
+def temperature_softmax_argmax_reference(logits: Tensor, temperature: Tensor,
+                                         one_hot_greedy: bool = False) -> tuple[Tensor, Tensor]:
+    """The same with torch: softmax(logits / where(t == 0, 1, t)) (one-hot of the argmax for t == 0 rows
+    with ``one_hot_greedy``) and logits.argmax(-1)."""
+    x = logits.float()
+    t = temperature.to(device=x.device, dtype=torch.float32)
+    probs = (x / torch.where(t == 0, torch.ones_like(t), t).unsqueeze(1)).softmax(dim=-1)
+    am = x.argmax(dim=-1)
+    if one_hot_greedy:
+        one_hot = torch.nn.functional.one_hot(am, x.shape[-1]).to(torch.float32)
+        probs = torch.where((t == 0).unsqueeze(1), one_hot, probs)
+    return probs, am

@@ -1,0 +1,78 @@
+"""kernels/softmax.py (temperature softmax + arg-max in two launches) against its reference and the sampler's
+compute_probs, under Triton's interpreter on the CPU."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton's first import (conftest does it too)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from dspark.kernels.softmax import temperature_softmax_argmax, temperature_softmax_argmax_reference  # noqa: E402
+from dspark.sample.sampler import Sampler, SamplingBatch, compute_probs  # noqa: E402
+from dspark.sampling_params import SamplingParams as P  # noqa: E402
+
+
+def _logits(R: int, V: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(R, V, generator=g) * 3.0
+    x[0, V - 1] = x[0].max() + 4.0  # the maximum in the last (partial) tile
+    if R > 2:
+        x[2, 5] = x[2, V - 2] = x[2].max() + 1.0  # a tie across tiles: the first index wins
+    return x
+
+
+@pytest.mark.parametrize(("R", "V", "block_v"), [(5, 1003, 128), (3, 257, 64), (1, 64, 64), (7, 2000, 512)])
+@pytest.mark.parametrize("one_hot", [False, True])
+def test_matches_reference(R: int, V: int, block_v: int, one_hot: bool) -> None:
+    x = _logits(R, V, R * V)
+    t = torch.tensor([1.0, 0.0, 0.6, 1.7, 1.0, 0.3, 2.5][:R])
+    probs, am = temperature_softmax_argmax(x, t, one_hot_greedy=one_hot, block_v=block_v)
+    ref_p, ref_am = temperature_softmax_argmax_reference(x, t, one_hot_greedy=one_hot)
+    assert torch.equal(am, ref_am), (am, ref_am)
+    torch.testing.assert_close(probs, ref_p, rtol=0, atol=1e-6)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(R), rtol=0, atol=1e-5)
+
+
+def test_buffers_strided_rows_and_errors() -> None:
+    """Written into given buffers (a graph's), from rows with a stride (a view of a larger buffer), bf16 input."""
+    big = _logits(6, 600, 1)
+    x = big[::2, :500]  # row stride 1200, unit column stride
+    t = torch.tensor([1.0, 0.5, 2.0])
+    probs, am = torch.full((3, 500), float("nan")), torch.full((3,), -1, dtype=torch.int64)
+    p2, a2 = temperature_softmax_argmax(x, t, probs_out=probs, argmax_out=am, block_v=128)
+    assert p2 is probs and a2 is am
+    ref_p, ref_am = temperature_softmax_argmax_reference(x, t)
+    assert torch.equal(am, ref_am)
+    torch.testing.assert_close(probs, ref_p, rtol=0, atol=1e-6)
+    pb, ab = temperature_softmax_argmax(x.bfloat16(), t, block_v=128)
+    rb, rab = temperature_softmax_argmax_reference(x.bfloat16(), t)
+    assert torch.equal(ab, rab)
+    torch.testing.assert_close(pb, rb, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="temperature"):
+        temperature_softmax_argmax(x, t[:2])
+    with pytest.raises(ValueError, match="probs_out"):
+        temperature_softmax_argmax(x, t, probs_out=torch.empty(3, 499))
+    with pytest.raises(ValueError, match="argmax_out"):
+        temperature_softmax_argmax(x, t, argmax_out=torch.empty(3, dtype=torch.int32))
+
+
+def test_is_compute_probs_of_a_temperature_only_batch() -> None:
+    """What Sampler(fused=True).probs / probs_argmax use it for: compute_probs of a batch at temperatures only,
+    ``all_random`` (the verification graph's rows: softmax for t = 0 too) or not (one-hot for t = 0)."""
+    V = 1003
+    x = _logits(4, V, 7)
+    params = [P(temperature=1.0), P(temperature=0.0), P(temperature=0.7), P(temperature=1.3)]
+    batch = SamplingBatch.build(params, [1, 2, 3, 4], [9] * 4, [[]] * 4, [[]] * 4, V, "cpu")
+    assert batch.no_top_k and batch.no_top_p and batch.no_min_p and batch.no_penalties and not batch.all_random
+    for b in (batch, SamplingBatch(**{**batch.__dict__, "all_random": True})):
+        probs, am = temperature_softmax_argmax(x, b.temperature, one_hot_greedy=not b.all_random, block_v=128)
+        torch.testing.assert_close(probs, compute_probs(x, b), rtol=0, atol=1e-6)
+        assert torch.equal(am, x.argmax(-1))
+    # off the GPU the sampler keeps torch's ops (the kernel is taken for CUDA tensors only)
+    p, a = Sampler(fused=True).probs_argmax(x, batch)
+    assert torch.equal(p, compute_probs(x, batch)) and torch.equal(a, x.argmax(-1))
