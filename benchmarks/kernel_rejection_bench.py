@@ -21,7 +21,7 @@ import torch
 import dspark.kernels  # noqa: F401  (interpreter choice before triton is imported)
 import triton.testing
 
-from dspark.kernels.rejection import verify_standard_triton
+from dspark.kernels.rejection import verify_block_triton, verify_standard_triton
 from dspark.spec.rejection import verify_probabilistic
 
 VOCAB, N = 49152, 5
@@ -40,13 +40,59 @@ def inputs(B: int, seed: int) -> tuple[torch.Tensor, ...]:
     return p, drafts, q, num_drafts, seeds, positions
 
 
+def graph_ms(fn) -> float:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return triton.testing.do_bench(graph.replay)
+
+
+def sweep(batches: list[int], n: int, block_vs: list[int], splits: list[int | None]) -> list[dict]:
+    """Block verification (the shipped drafter's default) at n drafts: CUDA-graph ms of verify_block_triton at
+    each (block_v, splits) launch, tokens checked against the reference (the split count never changes them;
+    the tile size fixes the residual masses' summation order, so a rare last-bit difference is possible)."""
+    global N
+    N = n
+    rows = []
+    for B in batches:
+        args = inputs(B, 4321 + B)
+        ref_t, ref_n = verify_probabilistic(*args, "block")
+        for bv in block_vs:
+            for sp in splits:
+                got_t, got_n = verify_block_triton(*args, block_v=bv, splits=sp)
+                bad = int(((ref_t != got_t).any(1) | (ref_n != got_n)).sum())
+                ms = graph_ms(lambda: verify_block_triton(*args, block_v=bv, splits=sp))
+                rows.append({"method": "block", "batch": B, "drafts": n, "block_v": bv, "splits": sp,
+                             "rows_differing": bad, "fused_graph_ms": ms})
+                print(f"block B={B:4d} N={n} block_v {bv:5d} splits {sp!s:>4}: graph {1e3 * ms:7.1f} us, "
+                      f"differing rows {bad}", flush=True)
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="kernel_rejection.json")
+    ap.add_argument("--sweep", action="store_true",
+                    help="block verification's launch (block_v x splits) at --batches and --drafts instead")
+    ap.add_argument("--batches", default="32")
+    ap.add_argument("--drafts", type=int, default=3)
+    ap.add_argument("--block-v", default="512,1024,2048")
+    ap.add_argument("--splits", default="0,16,24,48", help="0: the default (2 programs per SM)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
+    if a.sweep:
+        rows = sweep([int(b) for b in a.batches.split(",")], a.drafts, [int(v) for v in a.block_v.split(",")],
+                     [int(x) or None for x in a.splits.split(",")])
+        json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, open(a.out, "w"),
+                  indent=2)
+        return 0
     rows = []
     for B in (1, 8, 32, 128):
         args = inputs(B, 1234 + B)

@@ -57,18 +57,22 @@ BM = 16  # the smallest row tile (one MMA tile of rows; steps of up to 16 rows: 
 # benchmarks/offline_compile.py --fewrow) made verification at batch 32 (128 rows) slower than cuBLAS: the target's
 # step 1.49 against 1.39 ms (H200, session 52, DSPARK_FEWROW_MAX_ROWS=128 before row blocks). Row blocks of 64 (H100,
 # session 52, session 35's launch settings): a layer's chain 26.9 against cuBLAS's 27.8 µs at 128 rows, 28.5 against
-# 26.9 at 96, 36.5 against 28.7 at 256; the batch-32 verification step 1.405 against 1.403 ms. So steps of more than
-# 64 rows stay on cuBLAS (ENGINE_MAX_ROWS) until the settings for 32-64-row programs (WIDE_TUNING) are timed there.
+# 26.9 at 96, 36.5 against 28.7 at 256; the batch-32 verification step 1.405 against 1.403 ms. With the settings for
+# 32-64-row programs (WIDE_TUNING; H100, session 53): 25.3 against 27.8 µs at 128 rows, 25.9 against 27.0 at 96, 34.3
+# against 28.6 at 256 (so steps of up to 128 rows come here: ENGINE_MAX_ROWS).
 PROGRAM_ROWS = int(os.environ.get("DSPARK_FEWROW_BLOCK_M", "64"))
 # The steps the engine gives these kernels (LlamaForCausalLM.fewrow_max_rows, DSparkProposer's block pass): up to
-# 64 rows, so a verification at batch 1-8 and plain decoding at batch 2-64 run 5 launches per layer instead of
+# 128 rows, so a verification at batch 1-16 and plain decoding at batch 2-128 run 5 launches per layer instead of
 # cuBLAS and the unfused layer's 9. Session 35 measured 16 rows (one tile); session 51 (H100) the tiles of 32 and
 # 64 rows with the same launch settings: per layer (products, norms, SwiGLU, RoPE; fewrow_chain_bench.py) 23.2
 # against cuBLAS's 25.8 µs at 32 rows and 23.5 against 26.3 at 64 (8 warps: slower), in the engine's step graphs
 # (gpu_graphs_check.py steps, 1k context) plain decode at batch 32 1.274 -> 1.205 ms and verification at batch 8
 # 1.130 -> 1.035 ms, every other step unchanged. End to end (H200, session 52, `dspark bench`, 3 runs): plain batch
-# 32 +4 %, DSpark batch 8 +5-7 %, against DSPARK_FEWROW_MAX_ROWS=16 (the old limit). Larger steps: see PROGRAM_ROWS.
-ENGINE_MAX_ROWS = int(os.environ.get("DSPARK_FEWROW_MAX_ROWS", "64"))
+# 32 +4 %, DSpark batch 8 +5-7 %, against DSPARK_FEWROW_MAX_ROWS=16 (the old limit). Up to 128 rows (two row blocks
+# of 64; H100, session 53, against 64, `dspark bench` in one call): the target's GPU time per step of DSpark batch 32
+# at T = 1 (4 rows a request: the sampled-batch rule) 1.348 -> 1.300 ms with 128 prompts a cell, 1.401 -> 1.361 with
+# 512, and of DSpark batch 16 greedy (8 rows a request) 1.141 -> 1.101; steps of 256 rows stay on cuBLAS.
+ENGINE_MAX_ROWS = int(os.environ.get("DSPARK_FEWROW_MAX_ROWS", "128"))
 # Launch settings for programs of 32-64 rows from session 52's sweep at 64 rows (fewrow_config, qkv_rope_config):
 # a layer's chain 23.40 -> 21.73 µs at 64 rows, 22.51 -> 21.65 at 32 (H100; cuBLAS 26.28 / 25.70); at 16 rows the
 # same settings lose (20.52 against 18.86), so smaller programs keep session 35's. DSPARK_FEWROW_WIDE_TUNING=0:

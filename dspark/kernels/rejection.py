@@ -20,7 +20,8 @@ and two Philox draws per verify step. For each request b with N_b drafts it fuse
 
 Launches: one program handles ``block_b`` requests (1 on a GPU) and a contiguous range of vocabulary
 tiles; the vocabulary of each request is split over ``splits`` programs so that a small batch still
-fills the GPU (default on CUDA: about two programs per SM). With one split the kernel writes the
+fills the GPU (default on CUDA: about two programs per SM; six for block verification,
+BLOCK_PROGRAMS_PER_SM). With one split the kernel writes the
 result itself (ONE launch); with several, each program writes its partial maxima and a second small
 kernel reduces them in split order and writes the result (TWO launches). The grid, the loop bounds
 and the split count depend only on the shapes (B, N, V) and the device, never on tensor values: no
@@ -89,6 +90,8 @@ block's acceptance (the ratios, the running P, h from R, the comparison) rounds 
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import Tensor
@@ -404,8 +407,15 @@ def _verify_reduce_kernel(
     _emit_rows(out_ptr, nout_ptr, dt_ptr, sdt_b, rows, rm, a, final, N, OUT_PAD)
 
 
+# Block verification's default split: about this many programs per SM. H100, session 53
+# (kernel_rejection_bench.py --sweep, CUDA-graph µs of the whole verification, block_v 1024): 2 per SM (as
+# standard's) against 6: B = 32, 3 drafts 47.0 -> 38.3 (9 -> 24 splits; 48 splits 41.0); B = 16, 3 drafts 31.1
+# -> 28.1; B = 8, 7 drafts 44.1 -> 34.7; B = 1 the same (20.1). The split count changes no token.
+BLOCK_PROGRAMS_PER_SM = int(os.environ.get("DSPARK_BLOCK_VERIFY_PROGRAMS_PER_SM", "6"))
+
+
 def _launch(batch: int, n: int, vocab: int, cuda: bool, sms: int, block_v: int | None, block_b: int | None,
-            splits: int | None, max_drafts: int | None) -> dict:
+            splits: int | None, max_drafts: int | None, programs_per_sm: int = 2) -> dict:
     """The launch of one verification: tile sizes, grid, split count and the constexprs, from the shapes, the
     device and the tuning knobs only (see the verify functions; "Compiled variants" in the module docstring)."""
     if block_v is None:
@@ -417,7 +427,7 @@ def _launch(batch: int, n: int, vocab: int, cuda: bool, sms: int, block_v: int |
     nt = triton.cdiv(vocab, block_v)
     n_prog = triton.cdiv(batch, block_b)
     if splits is None:
-        splits = triton.cdiv(2 * sms, n_prog) if cuda else 1
+        splits = triton.cdiv(programs_per_sm * sms, n_prog) if cuda else 1
     tps = triton.cdiv(nt, max(1, min(splits, nt)))  # tiles per split
     n_split = max(1, triton.cdiv(nt, tps))  # no empty split
     width = max(n, max_drafts or 0)
@@ -472,7 +482,8 @@ def _verify_triton(
     positions = positions.to(device=dev, dtype=torch.int64).contiguous()
 
     cuda = dev.type == "cuda"
-    L = _launch(batch, n, vocab, cuda, sm_count(dev) if cuda else 1, block_v, block_b, splits, max_drafts)
+    L = _launch(batch, n, vocab, cuda, sm_count(dev) if cuda else 1, block_v, block_b, splits, max_drafts,
+                BLOCK_PROGRAMS_PER_SM if method == "block" else 2)
     block_v, block_b, nt, n_prog, tps, n_split, final = (L[k] for k in ("block_v", "block_b", "nt", "n_prog", "tps",
                                                                          "n_split", "final"))
     n_pad, out_pad = L["n_pad"], L["out_pad"]

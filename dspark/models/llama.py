@@ -57,7 +57,7 @@ SMALL_M_GEMV = {"1": True, "0": False}.get(os.environ.get("DSPARK_SMALL_M_GEMV",
 # also lost were deleted; sessions 21, 32 and 33 measured four more few-row designs, none faster in the
 # engine: kernels/gemv.py's docstring)
 GEMV_MAX_ROWS = int(os.environ.get("DSPARK_GEMV_MAX_ROWS", "1"))
-# Steps of 2-64 rows (verification at batch 1-8, decode at batch 2-64; fewrow.ENGINE_MAX_ROWS) on kernels/fewrow.py:
+# Steps of 2-128 rows (verification at batch 1-16, decode at batch 2-128; fewrow.ENGINE_MAX_ROWS) on kernels/fewrow.py:
 # tensor-core products with the residual adds, RMSNorms and SwiGLU in their epilogues (6 launches per
 # layer instead of 9, with RoPE + the K/V write in the qkv epilogue 5; DecoderLayer.forward_fewrow).
 # DSPARK_FEWROW=1 on everywhere, =0 off; unset, on for CUDA tensors only (CPU tests turn it on explicitly).
@@ -286,7 +286,7 @@ class LlamaForCausalLM(nn.Module):
         # steps of up to fewrow_max_rows rows not taken by the GEMVs on kernels/fewrow.py (fused forward
         # only; see FEWROW); None: on CUDA only
         self.fewrow: bool | None = FEWROW
-        self.fewrow_max_rows: int | None = None  # None: fewrow.ENGINE_MAX_ROWS (64; DSPARK_FEWROW_MAX_ROWS)
+        self.fewrow_max_rows: int | None = None  # None: fewrow.ENGINE_MAX_ROWS (128; DSPARK_FEWROW_MAX_ROWS)
 
     def forward(
         self,

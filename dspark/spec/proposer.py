@@ -53,9 +53,10 @@ class DSparkProposer:
         # True (the engine's attention backend is "triton"): draft with the Triton kernels (context
         # K/V store, shared-tile block attention, fused Markov sampler); False: the PyTorch path below.
         self.use_triton = use_triton
-        # With use_triton: block passes of up to fewrow.ENGINE_MAX_ROWS rows (64: batch 1-8 x block 8) on
+        # With use_triton: block passes of up to fewrow.ENGINE_MAX_ROWS rows (128: batch 1-16 x block 8) on
         # kernels/fewrow.py, as the target's verification (DecoderLayer.forward_fewrow): 3 launches fewer per
-        # drafter layer (batch 8, 64 rows, H100 session 51: 0.2429 -> 0.2416 ms, about even). H200,
+        # drafter layer (batch 8, 64 rows, H100 session 51: 0.2429 -> 0.2416 ms, about even; batch 16, 128 rows,
+        # session 53: 0.315 -> 0.320 ms greedy, 0.292 -> 0.295 at T = 1 in `dspark bench`, noise-sized). H200,
         # session 36 (benchmarks/gpu_graphs_check.py steps): the batch-1 drafter graph 0.2005 -> 0.1934 ms
         # (sampled drafts 0.2119 -> 0.2044). DSPARK_FEWROW_DRAFTER=1 on everywhere, =0 off; unset (None), on
         # for CUDA tensors only, as the target's (models/llama.py FEWROW; CPU tests turn it on explicitly).

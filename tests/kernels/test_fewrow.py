@@ -227,7 +227,7 @@ def test_bad_inputs() -> None:
     with pytest.raises(ValueError, match="made for row tiles of 16, the product's 20 rows take tiles of 32"):
         fr.linear(torch.zeros(20, 64), w, ss)  # sums of squares of 4 rows, a product of 20
     assert [fr.row_tile(m) for m in (1, 16, 17, 32, 33, 64, 65, 128)] == [16, 16, 32, 32, 64, 64, 128, 128]
-    assert fr.ENGINE_MAX_ROWS == 64  # the engine's steps of up to 64 rows (DSPARK_FEWROW_MAX_ROWS)
+    assert fr.ENGINE_MAX_ROWS == 128  # the engine's steps of up to 128 rows (DSPARK_FEWROW_MAX_ROWS)
     with pytest.raises(ValueError, match="dtype"):
         fr.linear(s, w.to(torch.bfloat16))
     with pytest.raises(ValueError, match="sums of squares are over 64 columns"):

@@ -515,8 +515,8 @@ def test_one_launch_shape_for_every_draft_count_and_batch() -> None:
     def shapes(max_drafts):
         out = set()
         for n in range(1, 8):
-            for batch in range(1, 600):
-                L = _launch(batch, n, 49152, True, 132, None, None, None, max_drafts)
+            for batch in [*range(1, 200), *range(200, 1000, 7)]:
+                L = _launch(batch, n, 49152, True, 132, None, None, None, max_drafts, programs_per_sm=6)
                 out.add((L["n_pad"], L["out_pad"], L["s_pad"], L["block_v"], L["block_b"], L["has_mass"], L["final"]))
         return out
 
@@ -533,3 +533,15 @@ def test_precompile_runs_every_variant(method: str) -> None:
 
     assert precompile(method, 50, 5, "cpu") == 4
     assert precompile(method, 50, 1, "cpu") == 2
+
+
+def test_block_verification_split_default() -> None:
+    """Block verification's CUDA split (BLOCK_PROGRAMS_PER_SM = 6, session 53's sweep on the H100): 24 splits of
+    two tiles at batch 32, one tile per program (48 splits) at batch 16 and below; standard keeps ~2 per SM."""
+    from dspark.kernels.rejection import BLOCK_PROGRAMS_PER_SM, _launch
+
+    assert BLOCK_PROGRAMS_PER_SM == 6
+    got = {b: _launch(b, 3, 49152, True, 132, None, None, None, 7, programs_per_sm=6)["n_split"]
+           for b in (1, 8, 16, 32)}
+    assert got == {1: 48, 8: 48, 16: 48, 32: 24}, got
+    assert _launch(32, 3, 49152, True, 132, None, None, None, 7)["n_split"] == 8  # standard's default: 2 per SM
