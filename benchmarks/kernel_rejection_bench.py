@@ -27,14 +27,14 @@ from dspark.spec.rejection import verify_probabilistic
 VOCAB, N = 49152, 5
 
 
-def inputs(B: int, seed: int) -> tuple[torch.Tensor, ...]:
+def inputs(B: int, seed: int, n: int = N) -> tuple[torch.Tensor, ...]:
     g = torch.Generator(device="cuda").manual_seed(seed)
-    logits = 3.0 * torch.randn(B, N + 1, VOCAB, device="cuda", generator=g)
+    logits = 3.0 * torch.randn(B, n + 1, VOCAB, device="cuda", generator=g)
     p = logits.softmax(-1)
-    q = (logits[:, :N] + 0.8 * torch.randn(B, N, VOCAB, device="cuda", generator=g)).softmax(-1)
-    drafts = torch.multinomial(q.reshape(-1, VOCAB), 1, generator=g).view(B, N)
-    num_drafts = torch.full((B,), N, dtype=torch.int64, device="cuda")
-    num_drafts[::3] = torch.arange(0, N + 1, device="cuda").repeat(B)[: num_drafts[::3].numel()]  # ragged
+    q = (logits[:, :n] + 0.8 * torch.randn(B, n, VOCAB, device="cuda", generator=g)).softmax(-1)
+    drafts = torch.multinomial(q.reshape(-1, VOCAB), 1, generator=g).view(B, n)
+    num_drafts = torch.full((B,), n, dtype=torch.int64, device="cuda")
+    num_drafts[::3] = torch.arange(0, n + 1, device="cuda").repeat(B)[: num_drafts[::3].numel()]  # ragged
     seeds = torch.arange(B, dtype=torch.int64, device="cuda") * 7919 + seed
     positions = torch.randint(0, 2000, (B,), device="cuda", generator=g)
     return p, drafts, q, num_drafts, seeds, positions
@@ -56,11 +56,9 @@ def sweep(batches: list[int], n: int, block_vs: list[int], splits: list[int | No
     """Block verification (the shipped drafter's default) at n drafts: CUDA-graph ms of verify_block_triton at
     each (block_v, splits) launch, tokens checked against the reference (the split count never changes them;
     the tile size fixes the residual masses' summation order, so a rare last-bit difference is possible)."""
-    global N
-    N = n
     rows = []
     for B in batches:
-        args = inputs(B, 4321 + B)
+        args = inputs(B, 4321 + B, n)
         ref_t, ref_n = verify_probabilistic(*args, "block")
         for bv in block_vs:
             for sp in splits:
@@ -82,7 +80,7 @@ def main() -> int:
     ap.add_argument("--batches", default="32")
     ap.add_argument("--drafts", type=int, default=3)
     ap.add_argument("--block-v", default="512,1024,2048")
-    ap.add_argument("--splits", default="0,16,24,48", help="0: the default (2 programs per SM)")
+    ap.add_argument("--splits", default="0,16,24,48", help="0: the default (rejection.BLOCK_PROGRAMS_PER_SM programs per SM)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)

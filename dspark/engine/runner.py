@@ -134,7 +134,7 @@ class ModelRunner:
         if config.invariant_attention:
             # The invariant attention gives a row the decode step's bits in verification where both steps multiply
             # on cuBLAS (its rows' bits do not depend on the row count, session 46). The few-row kernels round apart
-            # from cuBLAS, so they keep to steps of at most 16 rows, as before session 51: a plain step of 17-64
+            # from cuBLAS, so they keep to steps of at most 16 rows, as before session 51: a plain step of 17-128
             # requests then multiplies on cuBLAS as its verification does (docs/architecture.md).
             self.model.fewrow_max_rows = 16
         if config.batch_invariant:  # every target matmul through the batch-invariant kernel

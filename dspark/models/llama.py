@@ -179,7 +179,7 @@ class DecoderLayer(nn.Module):
     def forward_fewrow(self, x: torch.Tensor, h: torch.Tensor, sumsq, next_norm: torch.Tensor | None,
                        positions: torch.Tensor, rope: RotaryEmbedding, backend: TritonAttentionBackend,
                        meta: TritonAttentionMetadata, kv: torch.Tensor, rope_in_attention: bool = False):
-        """forward_fused for 2-64 rows (fewrow_max_rows) on kernels/fewrow.py. Takes ``x``, this layer's normed
+        """forward_fused for 2-128 rows (fewrow_max_rows) on kernels/fewrow.py. Takes ``x``, this layer's normed
         input in the form the previous layer left it (``z = g * h`` with its sums of squares ``sumsq``; for layer 0 the
         normed embeddings and None), and ``h``, the layer's input (the residual stream). Returns ``(z, h',
         sumsq')``: h' this layer's output (its tap) and z = next_norm * h' for the next layer (None
