@@ -33,8 +33,7 @@ import triton
 import triton.language as tl
 
 from dspark.kernels import check_device, next_pow2
-
-_NEG_INF = tl.constexpr(float("-inf"))
+from dspark.kernels.markov_sampler import _NEG_INF, _first_argmax
 
 # (BLOCK_V, num_warps) on a GPU; the interpreter takes small tiles (the tests' vocabularies). H100, CUDA-graph µs
 # for probabilities + argmax of V = 49,152 at 32 / 128 / 256 rows (session 53, kernel_ops_bench.py --only rows
@@ -73,10 +72,7 @@ def _probs_kernel(x_ptr, stride_x, t_ptr, amax_ptr, aidx_ptr, zmax_ptr, zsum_ptr
     se = tl.load(zsum_ptr + b * NT_PAD + tt, mask=tm, other=0.0)
     M = tl.max(mz, 0)
     Z = tl.sum(tl.where(tm, se * tl.exp(mz - M), 0.0), 0)
-    # the row's first arg-max: the first tile holding the maximum, then that tile's first index
-    am_v = tl.load(amax_ptr + b * NT_PAD + tt, mask=tm, other=_NEG_INF)
-    first = tl.min(tl.where(tm & (am_v == tl.max(am_v, 0)), tt, NT_PAD), 0)
-    arg = tl.sum(tl.where(tt == first, tl.load(aidx_ptr + b * NT_PAD + tt, mask=tm, other=0), 0), 0)
+    arg = _first_argmax(amax_ptr + b * NT_PAD, aidx_ptr + b * NT_PAD, NT, NT_PAD)  # the row's first arg-max
     cols = t * BLOCK_V + tl.arange(0, BLOCK_V)
     cm = cols < V
     x = tl.load(x_ptr + b * stride_x + cols, mask=cm, other=_NEG_INF)
