@@ -121,6 +121,41 @@ def _rows_plain(name, R, logits, batch, out, rep, tiles) -> list[dict]:
     return rows
 
 
+def _rows_sample(name, R, logits, batch, rep, tiles) -> list[dict]:
+    """The plain step's draw of temperature-only rows, kernels/softmax.py's temperature_sample against
+    Sampler()'s torch passes (the batch mixed, as the sampling graph's: both argmax reductions), and greedy rows
+    (temperature None) against torch's argmax."""
+    from dataclasses import replace
+
+    from dspark.kernels.softmax import temperature_sample
+    from dspark.sample.sampler import Sampler
+
+    mixed = replace(batch, all_random=False)
+    out = torch.empty(R, dtype=torch.int64, device="cuda")
+    rows = []
+    for op, ref, args in (("sample", lambda: Sampler()(logits, mixed, 0),
+                           (batch.temperature, batch.seeds, batch.positions, 0)),
+                          ("argmax", lambda: logits.argmax(-1), (None,))):
+        ref_tok = ref()
+        t_ref, g_ref = bench(ref, rep), bench_graph(ref, rep)
+        for tile in tiles or [None]:
+            kw = {} if tile is None else {"block_v": tile[0], "num_warps": tile[1]}
+
+            def fused():
+                return temperature_sample(logits, *args, out=out, **kw)
+
+            ok = torch.equal(fused(), ref_tok)
+            config = name if tile is None else f"{name} v{tile[0]}w{tile[1]}"
+            rows.append(dict(op=f"temperature_sample ({op})", config=config, batch=R, gamma=None, rows=R,
+                             ref_ms=t_ref, ref_graph_ms=g_ref, triton_ms=bench(fused, rep),
+                             graph_ms=bench_graph(fused, rep), correct=ok,
+                             **({} if tile is None else {"block_v": tile[0], "num_warps": tile[1]})))
+            rows[-1]["speedup"] = rows[-1]["ref_ms"] / rows[-1]["triton_ms"]
+            print(f"  {op}: torch graph {g_ref * 1e3:.1f} us")
+            print_row(rows[-1])
+    return rows
+
+
 # ----------------------------------------------------------------------------- Markov sampler
 def markov_inputs(B: int, gamma: int, sampling: str, seed: int = 0):
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -138,11 +173,14 @@ def markov_inputs(B: int, gamma: int, sampling: str, seed: int = 0):
     return base, anchors, anchor_pos + 1, w1, w2_t, batch, [prob] * B
 
 
-def run_markov(batches: list[int], gammas: list[int], rep: int, tiles: list[tuple[int, int]] | None = None) -> list[dict]:
+def run_markov(batches: list[int], gammas: list[int], rep: int, tiles: list[tuple[int, int]] | None = None,
+               configs: list[str] | None = None) -> list[dict]:
     """``tiles``: (block_v, num_warps) settings of the fused kernels to time side by side (default: the
     kernel's own defaults only); the config column then names them."""
     rows = []
     for sampling in SAMPLING:
+        if configs and sampling not in configs:
+            continue
         for gamma in gammas:
             for B in batches:
                 base, anchors, key_pos, w1, w2_t, batch, prob = markov_inputs(B, gamma, sampling)
@@ -150,8 +188,12 @@ def run_markov(batches: list[int], gammas: list[int], rep: int, tiles: list[tupl
                 args = (base, anchors, w1, w2_t, batch, key_pos, prob)
                 ref_tok, ref_q = markov_sample_reference(*args)
                 t_ref = bench(lambda: markov_sample_reference(*args), rep)
-                for tile in tiles or [None]:
+                # a temperature-only batch: the one-launch slots (the default) and the general launches
+                modes = [True, False] if batch.no_top_k and batch.no_top_p and batch.no_min_p else [None]
+                for tile, temp_only in [(t, m) for t in tiles or [None] for m in modes]:
                     kw = {"prob_mask": prob_mask} | ({} if tile is None else {"block_v": tile[0], "num_warps": tile[1]})
+                    if temp_only is not None:
+                        kw["temp_only"] = temp_only
                     tok, q = markov_sample(*args, **kw)
                     match = float((tok == ref_tok).float().mean())
                     qdiff = None if q is None else float((q - ref_q).abs().max())
@@ -159,6 +201,7 @@ def run_markov(batches: list[int], gammas: list[int], rep: int, tiles: list[tupl
                     t_tri = bench(lambda: markov_sample(*args, **kw), rep)
                     t_graph = bench_graph(lambda: markov_sample(*args, **kw), rep)
                     config = sampling if tile is None else f"{sampling} v{tile[0]}w{tile[1]}"
+                    config += " general" if temp_only is False else ""
                     rows.append(dict(op="markov_sampler", config=config, batch=B, gamma=gamma, rows=B,
                                      ref_ms=t_ref, triton_ms=t_tri, graph_ms=t_graph, speedup=t_ref / t_tri,
                                      token_match=match, q_max_abs_diff=qdiff, correct=ok,
@@ -201,6 +244,7 @@ def run_rows(row_counts: list[int], rep: int, tiles: list[tuple[int, int]] | Non
             out = torch.empty(R, VOCAB, device="cuda")
             if name == "T=1":
                 rows += _rows_plain(name, R, logits, batch, out, rep, tiles)
+                rows += _rows_sample(name, R, logits, batch, rep, tiles)
                 continue
             q, ref_q = processed_probs(logits, batch, probs_out=out), compute_probs(logits, batch)
             # Flat rows put thousands of tokens above the top-p cut, where the float sums of the two ways
@@ -348,6 +392,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="time the Markov sampler at these block_v:num_warps settings side by side, e.g. "
                          "256:4,1024:4,2048:8 (default: its defaults)")
     ap.add_argument("--batches", default=None, help="batch sizes, e.g. 32,128 (default: 1,8,32; --quick 1,32)")
+    ap.add_argument("--markov-configs", default=None, help="these SAMPLING names only, e.g. greedy,T=1")
+    ap.add_argument("--gammas", default=None, help="Markov draft counts, e.g. 3,7 (default: 5,7; --quick 7)")
     ap.add_argument("--rows", default="1,8,32,256", help="--only rows: row counts (default 1,8,32,256)")
     ap.add_argument("--rows-configs", default=None, help="--only rows: these ROW_SAMPLING names only, e.g. T=1")
     ap.add_argument("--rows-tiles", default=None, metavar="V:W,...",
@@ -358,14 +404,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     batches = [int(b) for b in args.batches.split(",")] if args.batches else [1, 32] if args.quick else [1, 8, 32]
     tiles = [tuple(int(x) for x in t.split(":")) for t in args.markov_tiles.split(",")] if args.markov_tiles else None
-    gammas = [7] if args.quick else [5, 7]
+    gammas = [int(g) for g in args.gammas.split(",")] if args.gammas else [7] if args.quick else [5, 7]
     rep = 30 if args.quick else 100
     torch.backends.cuda.matmul.allow_tf32 = False
     t0 = time.time()
     print(HEADER)
     rows: list[dict] = []
     if args.only in (None, "markov"):
-        rows += run_markov(batches, gammas, rep, tiles)
+        rows += run_markov(batches, gammas, rep, tiles, args.markov_configs.split(",") if args.markov_configs else None)
     if args.only in (None, "rows"):
         rtiles = [tuple(int(x) for x in t.split(":")) for t in args.rows_tiles.split(",")] if args.rows_tiles else None
         rows += run_rows([int(r) for r in args.rows.split(",")], rep, rtiles,

@@ -295,7 +295,9 @@ class StepGraphs:
         T = B * self.q
         p.write_context(self.taps[:T], self.positions[:T], self.slot_mapping[:T], valid=self.valid[:T])
         top_k, top_p, min_p = (t[:B] for t in self._draft_filters)
-        batch = self._rows(B, top_k=top_k, top_p=top_p, min_p=min_p, all_greedy=not prob)
+        # the drafts' settings are a temperature only (neutral filters): the fused sampler's one-launch slots
+        batch = self._rows(B, top_k=top_k, top_p=top_p, min_p=min_p, all_greedy=not prob, no_top_k=True,
+                           no_top_p=True, no_min_p=True, max_top_k=0)
         prop = p.propose_fixed(self.anchors[:B], self.anchor_pos[:B], self.block_tables[:B], self.n_spec, batch,
                                self.prob_mask[:B], prob, max_ctx_len=bucket,
                                probs_out=self.probs[:B] if prob else None)
@@ -327,7 +329,7 @@ class StepGraphs:
         drafts = self.input_ids[:B * q].view(B, q)[:, 1:]
         nd = self.num_drafts[:B]
         if kind == VERIFY_GREEDY:
-            am = logits.argmax(dim=-1)
+            am = self.runner.sampler.argmax(logits.reshape(-1, V)).view(B, q)
             out, n_out = verify_greedy_rows(am, drafts, nd)
         else:
             s = self._rows(B)

@@ -599,7 +599,7 @@ class ModelRunner:
                 out, n_out, commit = self._prefill_outcome(scheduled, prefill, counts, row_of, am, logits, out, n_out,
                                                            sampled_pre, batch_pre)
         else:
-            out, n_out = logits.argmax(dim=-1), G.ones[:R]
+            out, n_out = self.sampler.argmax(logits), G.ones[:R]
         parts = [out.reshape(-1), n_out]
         if ev:
             ev[1].record()
@@ -811,7 +811,7 @@ class ModelRunner:
             timing[0].record()
         logits = G.replay_target(Bg, bucket)[:R, 0]  # [R, V]
         if greedy:
-            tokens = logits.argmax(dim=-1)  # [R]
+            tokens = self.sampler.argmax(logits)  # [R]
         else:
             tokens = G.replay_sample(Bg, not all(unfiltered(r.params, V) for r in reqs))[:R]
         if timing:

@@ -75,6 +75,7 @@ libdevice). The confidence head is not fused: it needs only the drafted tokens, 
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 import torch
@@ -480,6 +481,28 @@ def _first_argmax(pmax_row, pidx_row, NT, NT_PAD: tl.constexpr):
 
 # --------------------------------------------------------------------------------- kernels
 @triton.jit
+def _slot_logits(base_ptr, stride_base, prev_ptr, stride_prev, w1_ptr, stride_w1, w2_ptr, stride_w2, bias_ptr,
+                 stride_bias, b, cols, cm, R, HAS_MARKOV: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
+                 BIAS_IN: tl.constexpr):
+    """One vocabulary tile of slot k's logits, base + W1[prev] @ W2ᵀ (fp32; -inf past V)."""
+    logits = tl.load(base_ptr + b * stride_base + cols, mask=cm, other=_NEG_INF)
+    if BIAS_IN:  # the Markov bias [B, V] was computed by one GEMM for the whole batch
+        logits = logits + tl.load(bias_ptr + b * stride_bias + cols, mask=cm, other=0.0).to(tl.float32)
+    elif HAS_MARKOV:
+        prev = tl.load(prev_ptr + b * stride_prev)
+        acc = tl.zeros([BLOCK_V], tl.float32)
+        for r0 in range(0, R, BLOCK_R):
+            rr = r0 + tl.arange(0, BLOCK_R)
+            rm = rr < R
+            a = tl.load(w1_ptr + prev * stride_w1 + rr, mask=rm, other=0.0).to(tl.float32)
+            w = tl.load(w2_ptr + rr[:, None] * stride_w2 + cols[None, :], mask=rm[:, None] & cm[None, :], other=0.0)
+            acc += tl.sum(a[:, None] * w.to(tl.float32), 0)
+        # markov_w2(markov_w1(prev)) is produced in the weights' dtype, then .float()
+        logits = logits + cast_rtne(acc, w2_ptr.dtype.element_ty).to(tl.float32)
+    return logits
+
+
+@triton.jit
 def _markov_logits_kernel(
     base_ptr, stride_base,  # [B, V] slice of the base logits (slot k), fp32, unit column stride
     prev_ptr, stride_prev,  # [B] previous token (anchor or draft k-1), int64
@@ -507,21 +530,8 @@ def _markov_logits_kernel(
     cols = t * BLOCK_V + tl.arange(0, BLOCK_V)
     cm = cols < V
 
-    logits = tl.load(base_ptr + b * stride_base + cols, mask=cm, other=_NEG_INF)
-    if BIAS_IN:  # the Markov bias [B, V] was computed by one GEMM for the whole batch
-        logits = logits + tl.load(bias_ptr + b * stride_bias + cols, mask=cm, other=0.0).to(tl.float32)
-    elif HAS_MARKOV:
-        prev = tl.load(prev_ptr + b * stride_prev)
-        acc = tl.zeros([BLOCK_V], tl.float32)
-        for r0 in range(0, R, BLOCK_R):
-            rr = r0 + tl.arange(0, BLOCK_R)
-            rm = rr < R
-            a = tl.load(w1_ptr + prev * stride_w1 + rr, mask=rm, other=0.0).to(tl.float32)
-            w = tl.load(w2_ptr + rr[:, None] * stride_w2 + cols[None, :], mask=rm[:, None] & cm[None, :], other=0.0)
-            acc += tl.sum(a[:, None] * w.to(tl.float32), 0)
-        # markov_w2(markov_w1(prev)) is produced in the weights' dtype, then .float()
-        logits = logits + cast_rtne(acc, w2_ptr.dtype.element_ty).to(tl.float32)
-
+    logits = _slot_logits(base_ptr, stride_base, prev_ptr, stride_prev, w1_ptr, stride_w1, w2_ptr, stride_w2,
+                          bias_ptr, stride_bias, b, cols, cm, R, HAS_MARKOV, BLOCK_V, BLOCK_R, BIAS_IN)
     pl = logits
     if HAS_PEN:  # sampler.apply_penalties, for probabilistic rows only
         oc = tl.load(ocnt_ptr + b * V + cols, mask=cm, other=0)
@@ -691,6 +701,77 @@ def _markov_sample_kernel(
             tl.store(q_ptr + b * stride_q + cols, (cols == tok).to(tl.float32), mask=cm)
 
 
+@triton.jit
+def _markov_temp_kernel(
+    base_ptr, stride_base, prev_ptr, stride_prev, w1_ptr, stride_w1, w2_ptr, stride_w2, bias_ptr, stride_bias,
+    flags_ptr, temp_ptr, seeds_ptr, pos_ptr, stream,
+    z_ptr, stride_z,  # [B, V] slice of q (slot k): the scaled logits z of sampled rows, normalised afterwards
+    pmax_ptr, pidx_ptr, pmz_ptr, pse_ptr,  # [B, NT_PAD] tile partials
+    stat_ptr, stride_stat,  # [B, 2] slice (slot k) of the rows' (max, Σexp(z - max)), for _markov_norm_kernel
+    cnt_ptr,  # [B] int32 arrival counters (all 0 between launches)
+    tok_ptr, stride_tok,  # [B] int64 output: the slot's draft token
+    V, R, NT,
+    HAS_MARKOV: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, NT_PAD: tl.constexpr,
+    BIAS_IN: tl.constexpr, PRECISE: tl.constexpr,
+):
+    """One slot of rows at a temperature only (no filter, no penalty), in one launch: sampled rows' Gumbel-max
+    needs no normaliser, so each tile's candidate (the max of z + noise) is taken in the pass that makes z, and
+    the row's last program picks the token; q is left as z plus the row's (max, Σexp) and normalised for every
+    slot at once after the loop. Other rows: the first arg-max of the logits."""
+    b = tl.program_id(0)
+    t = tl.program_id(1)
+    sampled = (tl.load(flags_ptr + b) & 2) != 0
+    cols = t * BLOCK_V + tl.arange(0, BLOCK_V)
+    cm = cols < V
+    logits = _slot_logits(base_ptr, stride_base, prev_ptr, stride_prev, w1_ptr, stride_w1, w2_ptr, stride_w2,
+                          bias_ptr, stride_bias, b, cols, cm, R, HAS_MARKOV, BLOCK_V, BLOCK_R, BIAS_IN)
+    if sampled:
+        z = tl.math.div_rn(logits, tl.zeros_like(logits) + tl.load(temp_ptr + b))
+        tl.store(z_ptr + b * stride_z + cols, z, mask=cm)
+        zmax = tl.max(z, 0)
+        tl.store(pmz_ptr + b * NT_PAD + t, zmax)
+        tl.store(pse_ptr + b * NT_PAD + t, tl.sum(tl.exp(z - zmax), 0))
+        words = _random_words(tl.load(seeds_ptr + b), tl.load(pos_ptr + b), stream, t * BLOCK_V, BLOCK_V)
+        score = z + _gumbel_from_words(words, PRECISE)  # -inf past V
+    else:
+        score = logits
+    tl.store(pmax_ptr + b * NT_PAD + t, tl.max(score, 0))
+    tl.store(pidx_ptr + b * NT_PAD + t, t * BLOCK_V + tl.argmax(score, 0))
+
+    tl.debug_barrier()
+    arrived = tl.atomic_add(cnt_ptr + b, 1, sem="acq_rel", scope="gpu")
+    if arrived == NT - 1:  # the last program of row b reduces it
+        tl.store(cnt_ptr + b, 0)
+        tok = _first_argmax(pmax_ptr + b * NT_PAD, pidx_ptr + b * NT_PAD, NT, NT_PAD)
+        tl.store(tok_ptr + b * stride_tok, tok.to(tl.int64))
+        if sampled:
+            tt = tl.arange(0, NT_PAD)
+            tm = tt < NT
+            mz = tl.load(pmz_ptr + b * NT_PAD + tt, mask=tm, other=_NEG_INF, cache_modifier=".cg")
+            se = tl.load(pse_ptr + b * NT_PAD + tt, mask=tm, other=0.0, cache_modifier=".cg")
+            M = tl.max(mz, 0)
+            tl.store(stat_ptr + b * stride_stat, M)
+            tl.store(stat_ptr + b * stride_stat + 1, tl.sum(tl.where(tm, se * tl.exp(mz - M), 0.0), 0))
+
+
+@triton.jit
+def _markov_norm_kernel(q_ptr, stat_ptr, flags_ptr, tok_ptr, V, N, BLOCK_V: tl.constexpr):
+    """q of every slot (row r = b * N + k of [B * N, V]) after _markov_temp_kernel's loop: exp(z - M) / Z in place
+    for sampled rows, the one-hot of the token for probabilistic rows at temperature 0, zeros for the others."""
+    r = tl.program_id(0)
+    t = tl.program_id(1)
+    flags = tl.load(flags_ptr + r // N)
+    cols = t * BLOCK_V + tl.arange(0, BLOCK_V)
+    cm = cols < V
+    if (flags & 2) != 0:
+        z = tl.load(q_ptr + r * V + cols, mask=cm, other=_NEG_INF)
+        q = tl.exp(z - tl.load(stat_ptr + r * 2)) / tl.load(stat_ptr + r * 2 + 1)
+    else:
+        tok = tl.where((flags & 1) != 0, tl.load(tok_ptr + r), -1)
+        q = (cols == tok).to(tl.float32)
+    tl.store(q_ptr + r * V + cols, q, mask=cm)
+
+
 # --------------------------------------------------------------------------------- wrappers
 class _RowSettings:
     """The per-row settings and scratch buffers the two kernels share, for B rows of V logits.
@@ -753,6 +834,11 @@ class _RowSettings:
 # reduction instead of 192. (1024 x 4 was as fast greedy and at T = 1, slower with top-p.)
 MARKOV_TILE_CUDA = (2048, 8)
 MARKOV_TILE_CPU = (256, 4)  # Triton's interpreter: the tests' sizes
+
+# Drafts at a temperature only (what DSpark drafts with: sampler.draft_params drops top-k / top-p / min-p) take
+# _markov_temp_kernel (one launch per slot, _markov_norm_kernel once after the loop) instead of the two general
+# launches per slot; DSPARK_MARKOV_TEMP_ONLY=0 keeps the general ones (the A/B switch).
+MARKOV_TEMP_ONLY = os.environ.get("DSPARK_MARKOV_TEMP_ONLY", "1") != "0"
 
 # Independent rows (processed_probs / sample_rows): which top-p cuts the radix passes find (_row_threshold's
 # DEFER: 1 those whose candidates overflow the buffer, 2 every one without top-k) and their tile size.
@@ -857,6 +943,7 @@ def markov_sample(
     prob_mask: Tensor | None = None,
     bias_gemm: bool | None = None,
     probs_out: Tensor | None = None,
+    temp_only: bool | None = None,
     _paths: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Draft N tokens per row with the Markov head, fused (see the module docstring).
@@ -876,6 +963,9 @@ def markov_sample(
     interpreter runs the in-kernel mat-vec in Python: the kernel tests choose both paths explicitly).
     ``probs_out``: a contiguous [B, N, V] fp32 tensor that receives q (a CUDA graph's shared buffer)
     instead of a new one.
+    ``temp_only``: for a batch without top-k, top-p, min-p and penalties (the drafts' settings,
+    sampler.draft_params), one launch per slot (``_markov_temp_kernel``) and one for every slot's q after the
+    loop, the same tokens and q; default MARKOV_TEMP_ONLY where the batch allows it. False: the general launches.
     ``_paths`` (tests): a [B, N] int32 tensor that receives, for sampled rows, how θ was found
     (0 no filter search, 1 sorted candidates, 2 bisection; processed_probs / sample_rows: 4 radix
     select); -1 for other rows.
@@ -915,7 +1005,14 @@ def markov_sample(
     rs = _RowSettings(batch, prob, any_prob, B, V, dev, cap, block_v)
     key_positions = key_positions.to(device=dev, dtype=torch.int64)
     BLOCK_R = min(next_pow2(R), 32)
-    z = torch.empty(B if any_prob else 1, V, dtype=torch.float32, device=dev)
+
+    plain = batch.no_top_k and batch.no_top_p and batch.no_min_p and (batch.no_penalties or not any_prob)
+    if temp_only is None:
+        temp_only = MARKOV_TEMP_ONLY and plain and _paths is None
+    elif temp_only and not plain:
+        raise ValueError("temp_only needs a batch without top-k, top-p, min-p and penalties")
+    stats = torch.empty(B, N, 2, dtype=torch.float32, device=dev) if temp_only else None
+    z = None if temp_only else torch.empty(B if any_prob else 1, V, dtype=torch.float32, device=dev)
 
     for k in range(N):
         prev = anchors if k == 0 else tokens[:, k - 1]
@@ -925,6 +1022,17 @@ def markov_sample(
         # it per row); it is also bit for bit the reference's bias.
         bias = torch.matmul(F.embedding(prev, w1), w2_t) if has_markov and bias_gemm else None
         bias_arg = bias if bias is not None else base_k
+        if temp_only:
+            q_k = probs[:, k] if any_prob else base_k  # never written without sampled rows
+            _markov_temp_kernel[(B, rs.NT)](
+                base_k, base_k.stride(0), prev, prev.stride(0), w1, w1.stride(0), w2_t, w2_t.stride(0),
+                bias_arg, bias_arg.stride(0), rs.flags, rs.temperature, rs.seeds, key_positions, draft_stream(k),
+                q_k, q_k.stride(0), rs.pmax, rs.pidx, rs.pmz, rs.pse, stats[:, k], stats.stride(0), rs.cnt,
+                tok_k, tok_k.stride(0), V, R, rs.NT,
+                HAS_MARKOV=has_markov, BLOCK_V=block_v, BLOCK_R=BLOCK_R, NT_PAD=rs.NT_PAD, BIAS_IN=bias is not None,
+                PRECISE=rs.precise, num_warps=num_warps, **rs.opts,
+            )
+            continue
         _markov_logits_kernel[(B, rs.NT)](
             base_k, base_k.stride(0), prev, prev.stride(0), w1, w1.stride(0), w2_t, w2_t.stride(0),
             bias_arg, bias_arg.stride(0), *rs.settings(), z, *rs.scratch(), tok_k, tok_k.stride(0),
@@ -942,6 +1050,9 @@ def markov_sample(
                 WRITE_Q=True, SAMPLE=True, PRECISE=rs.precise, BLOCK_V=block_v, NT_PAD=rs.NT_PAD,
                 num_warps=num_warps, **rs.opts,
             )
+    if temp_only and any_prob:
+        _markov_norm_kernel[(B * N, rs.NT)](probs, stats, rs.flags, tokens, V, N, BLOCK_V=block_v,
+                                            num_warps=num_warps)
     return tokens, probs
 
 

@@ -22,6 +22,14 @@ So [R, V] is read twice and written once. The division is ``div_rn`` (Triton's `
 NVIDIA GPUs), so z is bit-equal to torch's; the sums differ from torch's softmax only in their order.
 ``ONE_HOT_GREEDY``: rows at temperature 0 get the one-hot of their arg-max instead (compute_probs of a
 batch that is not ``all_random``).
+
+``temperature_sample`` is the plain decode step's draw from the same rows (``Sampler.__call__`` of a batch at
+temperatures only): argmax(x / t + gumbel(seed, position, stream)) for t > 0, argmax(x) for t = 0, the noise
+made in the tile by markov_sampler's Philox (the words of rng.gumbel, bit for bit on the GPU, where both use
+libdevice's log / log1p). Launch A writes each tile's (max, first arg-max) of its score, launch B (one program
+per row) reduces them. Torch's version is about twelve passes over [B, V] (the Philox words, the Gumbel transform
+in four element-wise ops, the division, the addition, two arg-max reductions, a select): ~75 µs at 32 x 49,152
+on the H100 (session 53's profile), a twelfth of the plain batch-32 step's GPU time.
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ import triton
 import triton.language as tl
 
 from dspark.kernels import check_device, next_pow2
-from dspark.kernels.markov_sampler import _NEG_INF, _first_argmax
+from dspark.kernels.markov_sampler import _NEG_INF, _first_argmax, _gumbel_from_words, _random_words
 
 # (BLOCK_V, num_warps) on a GPU; the interpreter takes small tiles (the tests' vocabularies). H100, CUDA-graph µs
 # for probabilities + argmax of V = 49,152 at 32 / 128 / 256 rows (session 53, kernel_ops_bench.py --only rows
@@ -41,6 +49,9 @@ from dspark.kernels.markov_sampler import _NEG_INF, _first_argmax
 # 8.0 / 27.5 / 59.0, 4096 x 8 8.3 / 27.7 / 59.4; torch (division, softmax, argmax) 35.1 / 66.4 / 134.6.
 TILE_CUDA = (2048, 4)
 TILE_CPU = (128, 4)
+# temperature_sample's launch A on a GPU (its Philox and log work is per element, unlike the softmax's): not yet
+# timed apart; the softmax's tile to start with.
+SAMPLE_TILE_CUDA = (2048, 4)
 
 
 @triton.jit
@@ -88,19 +99,108 @@ def _probs_kernel(x_ptr, stride_x, t_ptr, amax_ptr, aidx_ptr, zmax_ptr, zsum_ptr
         tl.store(am_ptr + b, arg.to(tl.int64))
 
 
+@triton.jit
+def _sample_partials_kernel(x_ptr, stride_x, t_ptr, seeds_ptr, pos_ptr, stream, smax_ptr, sidx_ptr, V,
+                            NT_PAD: tl.constexpr, BLOCK_V: tl.constexpr, GREEDY_ONLY: tl.constexpr,
+                            PRECISE: tl.constexpr):
+    b = tl.program_id(0)
+    t = tl.program_id(1)
+    cols = t * BLOCK_V + tl.arange(0, BLOCK_V)
+    x = tl.load(x_ptr + b * stride_x + cols, mask=cols < V, other=_NEG_INF)
+    if GREEDY_ONLY:
+        score = x
+    else:
+        temp = tl.load(t_ptr + b)
+        if temp == 0.0:  # a greedy row: the raw arg-max
+            score = x
+        else:
+            words = _random_words(tl.load(seeds_ptr + b), tl.load(pos_ptr + b), stream, t * BLOCK_V, BLOCK_V)
+            # padding columns stay -inf (-inf / t + noise)
+            score = tl.math.div_rn(x, tl.zeros_like(x) + temp) + _gumbel_from_words(words, PRECISE)
+    tl.store(smax_ptr + b * NT_PAD + t, tl.max(score, 0))
+    tl.store(sidx_ptr + b * NT_PAD + t, t * BLOCK_V + tl.argmax(score, 0))
+
+
+@triton.jit
+def _pick_kernel(smax_ptr, sidx_ptr, out_ptr, NT, NT_PAD: tl.constexpr):
+    b = tl.program_id(0)
+    tok = _first_argmax(smax_ptr + b * NT_PAD, sidx_ptr + b * NT_PAD, NT, NT_PAD)
+    tl.store(out_ptr + b, tok.to(tl.int64))
+
+
+def _rows_2d(logits: Tensor) -> Tensor:
+    check_device(logits)
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [R, V], got shape {tuple(logits.shape)}")
+    if logits.dtype != torch.float32 or logits.stride(-1) != 1:
+        logits = logits.float().contiguous()
+    return logits
+
+
+def temperature_sample(logits: Tensor, temperature: Tensor | None, seeds: Tensor | None = None,
+                       positions: Tensor | None = None, stream: int = 0, *, out: Tensor | None = None,
+                       block_v: int | None = None, num_warps: int | None = None) -> Tensor:
+    """[R] int64 tokens drawn from ``logits`` [R, V] as ``Sampler.__call__`` draws a batch at temperatures only
+    (no filter, no penalty): argmax(logits / t + rng.gumbel(seeds, positions, stream)) for rows with t > 0, the
+    first argmax of the logits for t = 0. ``temperature`` None: every row greedy (the argmax alone, no noise).
+    ``out``: an int64 [R] tensor to write into (a CUDA graph's buffer). Never reads a device value on the host:
+    capturable."""
+    logits = _rows_2d(logits)
+    R, V = logits.shape
+    dev = logits.device
+    greedy_only = temperature is None
+    if not greedy_only:
+        if temperature.shape != (R,):
+            raise ValueError(f"temperature must be [{R}], got shape {tuple(temperature.shape)}")
+        if seeds is None or positions is None or seeds.shape != (R,) or positions.shape != (R,):
+            raise ValueError(f"sampled rows need seeds and positions of shape ({R},)")
+        temperature = temperature.to(device=dev, dtype=torch.float32)
+        seeds = seeds.to(device=dev, dtype=torch.int64)
+        positions = positions.to(device=dev, dtype=torch.int64)
+    else:
+        temperature = seeds = positions = logits  # never read
+    if out is None:
+        out = torch.empty(R, dtype=torch.int64, device=dev)
+    elif out.shape != (R,) or out.dtype != torch.int64:
+        raise ValueError(f"out must be an int64 ({R},) tensor")
+    if R == 0:
+        return out
+    tile_v, warps = SAMPLE_TILE_CUDA if logits.is_cuda else TILE_CPU
+    block_v = block_v or tile_v
+    nt = triton.cdiv(V, block_v)
+    nt_pad = next_pow2(nt)
+    smax = torch.empty(R, nt_pad, dtype=torch.float32, device=dev)
+    sidx = torch.empty(R, nt_pad, dtype=torch.int32, device=dev)
+    _sample_partials_kernel[(R, nt)](logits, logits.stride(0), temperature, seeds, positions, stream, smax, sidx, V,
+                                     NT_PAD=nt_pad, BLOCK_V=block_v, GREEDY_ONLY=greedy_only,
+                                     PRECISE=logits.is_cuda, num_warps=num_warps or warps)
+    _pick_kernel[(R,)](smax, sidx, out, nt, NT_PAD=nt_pad, num_warps=1)
+    return out
+
+
+def temperature_sample_reference(logits: Tensor, temperature: Tensor | None, seeds: Tensor | None = None,
+                                 positions: Tensor | None = None, stream: int = 0) -> Tensor:
+    """The same with torch (rng.gumbel's noise)."""
+    x = logits.float()
+    if temperature is None:
+        return x.argmax(dim=-1)
+    from dspark.sample.rng import gumbel
+
+    t = temperature.to(device=x.device, dtype=torch.float32)
+    z = x / torch.where(t == 0, torch.ones_like(t), t).unsqueeze(1)
+    sampled = (z + gumbel(seeds, positions, stream, x.shape[-1])).argmax(dim=-1)
+    return torch.where(t == 0, x.argmax(dim=-1), sampled)
+
+
 def temperature_softmax_argmax(logits: Tensor, temperature: Tensor, *, probs_out: Tensor | None = None,
                                argmax_out: Tensor | None = None, one_hot_greedy: bool = False,
                                block_v: int | None = None, num_warps: int | None = None) -> tuple[Tensor, Tensor]:
     """(probs [R, V] fp32, argmax [R] int64) of ``logits`` [R, V] (fp32, unit column stride; other dtypes are
     converted) at ``temperature`` [R] (module docstring). ``probs_out`` / ``argmax_out``: tensors to write into
     (a CUDA graph's buffers). Never reads a device value on the host: capturable."""
-    check_device(logits)
-    if logits.dim() != 2:
-        raise ValueError(f"logits must be [R, V], got shape {tuple(logits.shape)}")
+    logits = _rows_2d(logits)
     R, V = logits.shape
     dev = logits.device
-    if logits.dtype != torch.float32 or logits.stride(-1) != 1:
-        logits = logits.float().contiguous()
     if temperature.shape != (R,):
         raise ValueError(f"temperature must be [{R}], got shape {tuple(temperature.shape)}")
     temperature = temperature.to(device=dev, dtype=torch.float32)

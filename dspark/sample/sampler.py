@@ -282,6 +282,9 @@ def compute_probs(logits: Tensor, batch: SamplingBatch) -> Tensor:
 # Sampler(fused=True).probs for rows at a temperature only (no filter, no penalty) through kernels/softmax.py;
 # off (DSPARK_FUSED_PLAIN_PROBS=0) for the A/B against torch's division + softmax + argmax.
 FUSED_PLAIN_PROBS = os.environ.get("DSPARK_FUSED_PLAIN_PROBS", "1") != "0"
+# Sampler(fused=True)'s draw and argmax for such rows (and greedy rows) through kernels/softmax.py's
+# temperature_sample; off (DSPARK_FUSED_PLAIN_SAMPLE=0) for the A/B against torch's Gumbel-max passes.
+FUSED_PLAIN_SAMPLE = os.environ.get("DSPARK_FUSED_PLAIN_SAMPLE", "1") != "0"
 
 CANDIDATE_LIMIT = 1024  # random rows with top_k <= this sample from their top_k candidates only
 
@@ -345,6 +348,20 @@ class Sampler:
         return (self.fused and FUSED_PLAIN_PROBS and logits.is_cuda and not batch.all_greedy and batch.no_top_k
                 and batch.no_top_p and batch.no_min_p and batch.no_penalties)
 
+    def _sample_kernel(self, logits: Tensor, batch: SamplingBatch | None) -> bool:
+        """Rows greedy or at a temperature only (no filter, no penalty; ``batch`` None: all greedy) drawn by
+        kernels/softmax.py's temperature_sample. FUSED_PLAIN_SAMPLE=False: torch's ops."""
+        return (self.fused and FUSED_PLAIN_SAMPLE and logits.is_cuda
+                and (batch is None or (batch.no_top_k and batch.no_top_p and batch.no_min_p and batch.no_penalties)))
+
+    def argmax(self, logits: Tensor) -> Tensor:
+        """[R] int64 first argmax of [R, V] logits (greedy rows' tokens, greedy verification's rows)."""
+        if self._sample_kernel(logits, None) and logits.dim() == 2:
+            from dspark.kernels.softmax import temperature_sample
+
+            return temperature_sample(logits, None)
+        return logits.argmax(dim=-1)
+
     def probs(self, logits: Tensor, batch: SamplingBatch) -> Tensor:
         """``compute_probs(logits, batch)`` ([B, V] f32), fused where ``fused`` says."""
         if self._plain_rows(logits, batch):
@@ -371,6 +388,11 @@ class Sampler:
         processed logits that depends only on (seed, position, stream). ``no_sync``: never read a
         device value on the host (async scheduling): the whole-vocabulary draw is made even when
         every row was served by its candidates (the same tokens, more GPU work)."""
+        if self._sample_kernel(logits, batch):
+            from dspark.kernels.softmax import temperature_sample
+
+            return temperature_sample(logits, None if batch.all_greedy else batch.temperature, batch.seeds,
+                                      batch.positions, stream)
         if self._use_fused(logits, batch) and not batch.no_top_p:  # top-k alone: the candidates below
             from dspark.kernels.markov_sampler import sample_rows
 

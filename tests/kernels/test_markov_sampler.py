@@ -82,8 +82,8 @@ def _batch(params: list[P], anchor_pos: torch.Tensor, V: int, seed: int = 0) -> 
 
 
 def _check(params: list[P], prob: list[bool], N: int, V: int, seed: int, scale: float = 3.0,
-           block_v: int = 256, cap: int = 64, r: int = 16, dtype=torch.float32, no_markov: bool = False
-           ) -> torch.Tensor:
+           block_v: int = 256, cap: int = 64, r: int = 16, dtype=torch.float32, no_markov: bool = False,
+           temp_only: bool = False, bias_gemm: bool | None = None) -> torch.Tensor:
     """Kernel vs reference on random inputs; returns how each sampled row's threshold was found
     ([B, N]: 0 no filter, 1 sorted candidates, 2 bisection, -1 not sampled)."""
     B = len(params)
@@ -94,8 +94,17 @@ def _check(params: list[P], prob: list[bool], N: int, V: int, seed: int, scale: 
     paths = torch.empty(B, N, dtype=torch.int32)
     # the Markov bias inside the kernel below 4 rows, by one GEMM from 4 on: the GPU's default (on a CPU
     # the default is always the GEMM)
-    tokens, q = markov_sample(base, anchors, w1, w2_t, batch, anchor_pos + 1, prob, block_v=block_v, cap=cap,
-                              _paths=paths, bias_gemm=B >= 4)
+    bias_gemm = B >= 4 if bias_gemm is None else bias_gemm
+    if temp_only:  # the one-launch slots, and the general launches give the same tokens and q
+        tokens, q = markov_sample(base, anchors, w1, w2_t, batch, anchor_pos + 1, prob, block_v=block_v,
+                                  temp_only=True, bias_gemm=bias_gemm)
+        gen_tokens, gen_q = markov_sample(base, anchors, w1, w2_t, batch, anchor_pos + 1, prob, block_v=block_v,
+                                          temp_only=False, bias_gemm=bias_gemm)
+        assert torch.equal(tokens, gen_tokens)
+        assert (q is None) == (gen_q is None) and (q is None or torch.equal(q, gen_q))
+    else:
+        tokens, q = markov_sample(base, anchors, w1, w2_t, batch, anchor_pos + 1, prob, block_v=block_v, cap=cap,
+                                  _paths=paths, bias_gemm=bias_gemm)
     ref_tokens, ref_q = markov_sample_reference(base, anchors, w1, w2_t, batch, anchor_pos + 1, prob)
     assert torch.equal(tokens, ref_tokens), f"\n{tokens}\n{ref_tokens}"
     if ref_q is None:
@@ -128,6 +137,31 @@ def test_greedy_drafting_of_random_rows_is_argmax() -> None:
 
 def test_sampled_plain_temperature() -> None:
     _check([P(temperature=1.0), P(temperature=0.6), P(temperature=1.7)], [True] * 3, 7, 1000, seed=5)
+
+
+@pytest.mark.parametrize("bias_gemm", [False, True])
+def test_temperature_only_slots(bias_gemm: bool) -> None:
+    """markov_sample(temp_only=True), the drafts' path (no filter, no penalty): one launch per slot and q
+    normalised after the loop — sampled rows, a probabilistic row at temperature 0 (one-hot q), greedy drafting of
+    a random row (q zeros), the Markov bias in the kernel or from one GEMM; greedy-only batches (no q)."""
+    params = [P(temperature=1.0), P(temperature=0.0), P(temperature=0.6), P(temperature=1.7), P(temperature=0.9)]
+    _check(params, [True, True, False, True, True], 6, 1003, seed=31, block_v=128, temp_only=True,
+           bias_gemm=bias_gemm)
+    _check(params[:3], [False] * 3, 4, 1000, seed=37, temp_only=True, bias_gemm=bias_gemm)
+
+
+def test_temperature_only_slots_bf16_no_markov_gpu_tile_and_errors() -> None:
+    from dspark.kernels.markov_sampler import MARKOV_TILE_CUDA
+
+    params = [P(temperature=0.0), P(temperature=0.8), P(temperature=1.0)]
+    _check(params, [False, True, True], 5, 1000, seed=41, dtype=torch.bfloat16, temp_only=True)
+    _check(params, [True, True, True], 5, 1000, seed=43, no_markov=True, temp_only=True)
+    _check(params, [False, True, True], 3, 2 * MARKOV_TILE_CUDA[0] + 904, seed=47, block_v=MARKOV_TILE_CUDA[0],
+           temp_only=True)
+    base, anchors, anchor_pos, w1, w2_t = _inputs(2, 3, 500, 8, 1)
+    filtered = _batch([P(temperature=1.0, top_p=0.9)] * 2, anchor_pos, 500)
+    with pytest.raises(ValueError, match="temp_only"):
+        markov_sample(base, anchors, w1, w2_t, filtered, anchor_pos + 1, [True, True], temp_only=True)
 
 
 def test_sampled_top_k_top_p_min_p() -> None:

@@ -76,3 +76,65 @@ def test_is_compute_probs_of_a_temperature_only_batch() -> None:
     # off the GPU the sampler keeps torch's ops (the kernel is taken for CUDA tensors only)
     p, a = Sampler(fused=True).probs_argmax(x, batch)
     assert torch.equal(p, compute_probs(x, batch)) and torch.equal(a, x.argmax(-1))
+
+
+# ------------------------------------------------------------------ temperature_sample (the plain step's draw)
+from dspark.kernels.softmax import temperature_sample, temperature_sample_reference  # noqa: E402
+
+
+@pytest.mark.parametrize(("R", "V", "block_v"), [(6, 1003, 128), (3, 257, 64), (1, 64, 64), (7, 2000, 512)])
+@pytest.mark.parametrize("stream", [0, 3])
+def test_sample_matches_reference(R: int, V: int, block_v: int, stream: int) -> None:
+    x = _logits(R, V, 3 * R + V)
+    t = torch.tensor([1.0, 0.0, 0.6, 1.7, 1.0, 0.3, 2.5][:R])
+    seeds = torch.tensor([11, -5, 2**40 + 3, 7, 11, 0, 123456789][:R], dtype=torch.int64)
+    pos = torch.tensor([0, 17, 2**33 + 5, 400, 1, 9, 31][:R], dtype=torch.int64)
+    tok = temperature_sample(x, t, seeds, pos, stream, block_v=block_v)
+    ref = temperature_sample_reference(x, t, seeds, pos, stream)
+    assert torch.equal(tok, ref), (tok, ref)
+    if R > 1:  # the greedy row is the raw argmax (row 0 has its maximum in the last partial tile)
+        assert tok[1] == x[1].argmax()
+    # greedy only: the first argmax, ties across tiles included
+    assert torch.equal(temperature_sample(x, None, block_v=block_v), x.argmax(-1))
+
+
+def test_sample_is_the_samplers_draw() -> None:
+    """Sampler.__call__ (torch's Gumbel-max, what it runs off the GPU) of a temperature-only batch, all-random
+    or mixed, draws the same tokens; the draws follow the seeds (another seed, other tokens)."""
+    V = 1003
+    x = _logits(5, V, 5) / 3.0  # flatter rows: the draws spread
+    params = [P(temperature=1.0), P(temperature=0.0), P(temperature=0.7), P(temperature=1.3), P(temperature=1.0)]
+    batch = SamplingBatch.build(params, [1, 2, 3, 4, 5], [9, 10, 11, 12, 13], [[]] * 5, [[]] * 5, V, "cpu")
+    random = SamplingBatch.build(params[:1] + params[2:], [1, 3, 4, 5], [9, 11, 12, 13], [[]] * 4, [[]] * 4, V, "cpu")
+    assert not batch.all_random and random.all_random
+    for b, xb in ((batch, x), (random, x[[0, 2, 3, 4]])):
+        for stream in (0, 2):
+            tok = temperature_sample(xb, b.temperature, b.seeds, b.positions, stream, block_v=128)
+            assert torch.equal(tok, Sampler()(xb, b, stream)), stream
+    draws = {tuple(temperature_sample(x, batch.temperature, batch.seeds + s, batch.positions, 0, block_v=128)
+                   .tolist()) for s in range(8)}
+    assert len(draws) > 1
+    greedy = SamplingBatch.build([P(temperature=0.0)] * 5, [0] * 5, [9] * 5, [[]] * 5, [[]] * 5, V, "cpu")
+    assert torch.equal(Sampler(fused=True)(x, greedy), x.argmax(-1)) and torch.equal(Sampler(fused=True).argmax(x),
+                                                                                     x.argmax(-1))
+
+
+def test_sample_buffers_strided_bf16_and_errors() -> None:
+    big = _logits(6, 600, 2)
+    x = big[::2, :500]
+    t = torch.tensor([1.0, 0.0, 2.0])
+    seeds, pos = torch.tensor([1, 2, 3]), torch.tensor([5, 6, 7])
+    out = torch.full((3,), -1, dtype=torch.int64)
+    assert temperature_sample(x, t, seeds, pos, 0, out=out, block_v=128) is out
+    assert torch.equal(out, temperature_sample_reference(x, t, seeds, pos, 0))
+    xb = x.bfloat16()
+    assert torch.equal(temperature_sample(xb, t, seeds, pos, 0, block_v=128),
+                       temperature_sample_reference(xb, t, seeds, pos, 0))
+    with pytest.raises(ValueError, match="temperature"):
+        temperature_sample(x, t[:2], seeds, pos)
+    with pytest.raises(ValueError, match="seeds and positions"):
+        temperature_sample(x, t)
+    with pytest.raises(ValueError, match="out"):
+        temperature_sample(x, t, seeds, pos, out=torch.empty(3, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"\[R, V\]"):
+        temperature_sample(x[0], None)
