@@ -49,8 +49,10 @@ from dspark.kernels.markov_sampler import _NEG_INF, _first_argmax, _gumbel_from_
 # 8.0 / 27.5 / 59.0, 4096 x 8 8.3 / 27.7 / 59.4; torch (division, softmax, argmax) 35.1 / 66.4 / 134.6.
 TILE_CUDA = (2048, 4)
 TILE_CPU = (128, 4)
-# temperature_sample's launch A on a GPU (its Philox and log work is per element, unlike the softmax's): not yet
-# timed apart; the softmax's tile to start with.
+# temperature_sample's tile on a GPU. H100, CUDA-graph µs at V = 49,152, 32 / 128 / 256 rows (session 54,
+# kernel_ops_bench.py --only rows --rows-tiles): the draw 1024 x 4 10.2 / 28.8 / 53.9, 2048 x 4 9.8 / 27.8 / 51.4,
+# 2048 x 8 10.0 / 29.4 / 54.8 against torch's 87.9 / 287.6 / 596.3; the arg-max alone 4.3 / 7.7 / 19.9 at 2048 x 4
+# against torch's 12.2 / 12.5 / 23.7.
 SAMPLE_TILE_CUDA = (2048, 4)
 
 
