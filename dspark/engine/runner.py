@@ -599,7 +599,7 @@ class ModelRunner:
                 out, n_out, commit = self._prefill_outcome(scheduled, prefill, counts, row_of, am, logits, out, n_out,
                                                            sampled_pre, batch_pre)
         else:
-            out, n_out = self.sampler.argmax(logits), G.ones[:R]
+            out, n_out = self.sampler.argmax(logits.reshape(R, V)).view(R, 1), G.ones[:R]
         parts = [out.reshape(-1), n_out]
         if ev:
             ev[1].record()
