@@ -785,7 +785,7 @@ class _RowSettings:
     the others take the raw argmax."""
 
     def __init__(self, batch: SamplingBatch, prob: Tensor, any_prob: bool, B: int, V: int, dev, cap: int,
-                 block_v: int) -> None:
+                 block_v: int, filters: bool = True) -> None:
         if cap < 2 or cap & (cap - 1):
             raise ValueError(f"cap must be a power of two >= 2, got {cap}")
         self.cap, self.block_v = cap, block_v
@@ -794,9 +794,12 @@ class _RowSettings:
         self.NT_PAD = next_pow2(self.NT)
         self.temperature = batch.temperature.to(device=dev, dtype=torch.float32)
         self.flags = prob.to(torch.int32) | ((prob & (self.temperature > 0)).to(torch.int32) << 1)
-        self.top_k = batch.top_k.to(dev).clamp(max=V).to(torch.int32)
-        self.top_p = batch.top_p.to(device=dev, dtype=torch.float32)
-        self.log_min_p = batch.min_p.to(device=dev, dtype=torch.float32).log()
+        # ``filters`` False (markov_sample's temperature-only slots): no filter settings, no threshold scratch —
+        # ops the drafter graph would otherwise replay every step for nothing
+        if filters:
+            self.top_k = batch.top_k.to(dev).clamp(max=V).to(torch.int32)
+            self.top_p = batch.top_p.to(device=dev, dtype=torch.float32)
+            self.log_min_p = batch.min_p.to(device=dev, dtype=torch.float32).log()
         self.seeds = batch.seeds.to(dev)
         self.has_pen = any_prob and not batch.no_penalties
         self.has_rep = self.has_pen and batch.prompt_counts is not None
@@ -812,8 +815,9 @@ class _RowSettings:
         self.pidx = torch.empty(B, self.NT_PAD, dtype=torch.int32, device=dev)
         self.pmz = torch.empty(B, self.NT_PAD, **f32)
         self.pse = torch.empty(B, self.NT_PAD, **f32)
-        self.cand = torch.empty(B if any_prob else 1, cap, **f32)
-        self.row = torch.empty(B, 4, **f32)
+        if filters:
+            self.cand = torch.empty(B if any_prob else 1, cap, **f32)
+            self.row = torch.empty(B, 4, **f32)
         self.cnt = torch.zeros(B, dtype=torch.int32, device=dev)
         self.precise = dev.type == "cuda"
         # No fused multiply-adds on the GPU: the penalty arithmetic must round like torch's separate ops.
@@ -1008,10 +1012,6 @@ def markov_sample(
         w1 = w2_t = base_logits  # never read
     if bias_gemm is None:
         bias_gemm = B >= 4 or base_logits.device.type != "cuda"
-    rs = _RowSettings(batch, prob, any_prob, B, V, dev, cap, block_v)
-    key_positions = key_positions.to(device=dev, dtype=torch.int64)
-    BLOCK_R = min(next_pow2(R), 32)
-
     plain = batch.no_top_k and batch.no_top_p and batch.no_min_p and (batch.no_penalties or not any_prob)
     if temp_only is None:
         # Greedy drafting with the bias inside the kernel (batch < 4) stays on the general kernel: its slots
@@ -1020,6 +1020,9 @@ def markov_sample(
         temp_only = MARKOV_TEMP_ONLY and plain and _paths is None and (any_prob or bias_gemm)
     elif temp_only and not plain:
         raise ValueError("temp_only needs a batch without top-k, top-p, min-p and penalties")
+    rs = _RowSettings(batch, prob, any_prob, B, V, dev, cap, block_v, filters=not temp_only)
+    key_positions = key_positions.to(device=dev, dtype=torch.int64)
+    BLOCK_R = min(next_pow2(R), 32)
     stats = torch.empty(B, N, 2, dtype=torch.float32, device=dev) if temp_only else None
     z = None if temp_only else torch.empty(B if any_prob else 1, V, dtype=torch.float32, device=dev)
 
