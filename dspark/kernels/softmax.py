@@ -28,8 +28,8 @@ temperatures only): argmax(x / t + gumbel(seed, position, stream)) for t > 0, ar
 made in the tile by markov_sampler's Philox (the words of rng.gumbel, bit for bit on the GPU, where both use
 libdevice's log / log1p). Launch A writes each tile's (max, first arg-max) of its score, launch B (one program
 per row) reduces them. Torch's version is about twelve passes over [B, V] (the Philox words, the Gumbel transform
-in four element-wise ops, the division, the addition, two arg-max reductions, a select): ~75 µs at 32 x 49,152
-on the H100 (session 53's profile), a twelfth of the plain batch-32 step's GPU time.
+in four element-wise ops, the division, the addition, two arg-max reductions, a select): 75-90 µs at 32 x 49,152
+on the H100 (session 53's profile, session 54's rows benchmark), 6-7 % of the plain batch-32 step's GPU time.
 """
 
 from __future__ import annotations
