@@ -23,7 +23,7 @@ call, rows, verification rows, prefill tokens.
 
 Usage (GPU; the real model needs the GGUF, DSPARK_SMOLLM2_GGUF or the embedded default):
     python benchmarks/gpu_continuous_profile.py OUT_DIR [--prompt-source FILE] [--batch 32] [--prompts 128]
-        [--temperature T] [--systems plain,dspark] [--cprofile N] [--torch-trace P] [--stop-at-eos]
+        [--temperature T] [--systems plain,dspark] [--cprofile N] [--torch-trace P [--no-trace-file]] [--stop-at-eos]
         [--timeline] [--segments] [--graph-prefill-alone]
 Writes OUT_DIR/continuous_profile.json and prints a summary.
 """
@@ -446,6 +446,9 @@ def main() -> None:
                          "flight, LLMEngine.admit_on_top=False, as before session 20)")
     ap.add_argument("--cprofile", type=int, default=0, metavar="N",
                     help="a third pass under cProfile: the N functions of most own time, ms per step call")
+    ap.add_argument("--no-trace-file", dest="trace_file", action="store_false",
+                    help="--torch-trace: the summary only, no Chrome trace file (a batch-32 trace is several MB)")
+    ap.add_argument("--trace-top", type=int, default=25, help="--torch-trace: kernels and host ops listed")
     ap.add_argument("--torch-trace", type=int, default=0, metavar="P",
                     help="a last pass under torch.profiler over P prompts: GPU busy share, CUDA runtime calls, "
                          "top kernels and host ops; its chrome trace as OUT/trace_SYSTEM.json.gz")
@@ -516,7 +519,8 @@ def main() -> None:
             row["segments"] = segments(llm, prompts, a.max_tokens, a.temperature)
         if a.torch_trace:
             row["torch_trace"] = torch_trace(llm, prompts[:a.torch_trace], a.max_tokens, a.temperature,
-                                             out / f"trace_{name}.json.gz" if cuda else None)
+                                             out / f"trace_{name}.json.gz" if cuda and a.trace_file else None,
+                                             top=a.trace_top)
         if spec:
             row["tau"] = round(llm.engine.spec_stats.tau, 3)
         tokens[name] = _OUTPUTS.pop((id(llm), False))

@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass, fields, replace
 from itertools import chain
@@ -90,6 +91,10 @@ SMALLEST_BUCKET = 512
 FILTER_GRAPH_ROWS = 512
 # the kinds of verification graph (StepGraphs._verify_step)
 VERIFY_GREEDY, VERIFY_SAMPLED, VERIFY_FILTERED = 0, 1, 2
+# VERIFY_SAMPLED with a fused verification kernel reads the logits and each row's (t, M, Z) instead of written
+# probabilities (kernels/rejection.py, "From logits": the same tokens); DSPARK_VERIFY_FROM_LOGITS=0 writes them
+# (the A/B switch).
+VERIFY_FROM_LOGITS = os.environ.get("DSPARK_VERIFY_FROM_LOGITS", "1") != "0"
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -233,6 +238,8 @@ class StepGraphs:
         if self.draft_graphs:
             # the drafter's top-k / top-p / min-p: none (sampler.draft_params); the uploaded ones are verification's
             self._draft_filters = (torch.full((Bm,), V, **i64), torch.ones(Bm, **f32), torch.zeros(Bm, **f32))
+            # VERIFY_SAMPLED's rows: top-k, top-p, min-p that filter nothing (_verify_step)
+            self._neutral_rows = (torch.full((Tm,), V, **i64), torch.ones(Tm, **f32), torch.zeros(Tm, **f32))
         self.s_out = torch.zeros(Bm, **i64)  # a sampling graph's tokens (a fixed buffer: see v_out)
         self.target: dict[tuple[int, int], _Captured] = {}
         self.draft: dict[tuple[int, int, bool], _Captured] = {}
@@ -335,19 +342,37 @@ class StepGraphs:
             s = self._rows(B)
             t = s.temperature
             plain = kind == VERIFY_SAMPLED
-            # each request's settings on its q rows (as SamplingBatch.repeat_rows makes them)
-            rep = {k: getattr(s, k).repeat_interleave(q) for k in ("temperature", "top_k", "top_p", "min_p")}
-            rows = replace(s, **rep, positions=self.num_tokens[:B], all_random=True, no_top_k=plain, no_top_p=plain,
-                           no_min_p=plain)
-            # the processed distributions and every row's argmax (greedy rows' verification) in one go
-            probs, am = self.runner.sampler.probs_argmax(logits.reshape(-1, V), rows)
-            probs, am = probs.view(B, q, V), am.view(B, q)
-            out, n_out = verify_greedy_rows(am, drafts, nd)
+            # each request's settings on its q rows (as SamplingBatch.repeat_rows makes them); VERIFY_SAMPLED's
+            # filters are neutral in every row, so they come from constant rows (views: no repeat at replay)
+            keys = ("temperature",) if plain else ("temperature", "top_k", "top_p", "min_p")
+            rep = {k: getattr(s, k).repeat_interleave(q) for k in keys}
+            if plain:
+                rep.update(zip(("top_k", "top_p", "min_p"), (x[:B * q] for x in self._neutral_rows)))
             r = self.runner
-            o, n = r._verify_probabilistic(r.spec.rejection_sample_method, probs, drafts, self.vq[:B], nd,
-                                           s.seeds, self.num_tokens[:B])
+            method = r.spec.rejection_sample_method
+            if plain and VERIFY_FROM_LOGITS and method in r._fused_verify:
+                # each row's (t, M, Z) and argmax; the kernel makes every p it reads from the logits
+                from dspark.kernels.softmax import temperature_softmax_stats
+
+                stats, am = temperature_softmax_stats(logits.reshape(-1, V), rep["temperature"])
+                am = am.view(B, q)
+                out, n_out = verify_greedy_rows(am, drafts, nd)
+                o, n = r._verify_probabilistic(method, logits, drafts, self.vq[:B], nd, s.seeds, self.num_tokens[:B],
+                                               target_stats=stats.view(B, q, 3))
+            else:
+                rows = replace(s, **rep, positions=self.num_tokens[:B], all_random=True, no_top_k=plain,
+                               no_top_p=plain, no_min_p=plain)
+                # the processed distributions and every row's argmax (greedy rows' verification) in one go
+                probs, am = r.sampler.probs_argmax(logits.reshape(-1, V), rows)
+                probs, am = probs.view(B, q, V), am.view(B, q)
+                out, n_out = verify_greedy_rows(am, drafts, nd)
+                o, n = r._verify_probabilistic(method, probs, drafts, self.vq[:B], nd, s.seeds, self.num_tokens[:B])
             pick = t > 0
-            out, n_out = torch.where(pick.unsqueeze(1), o, out), torch.where(pick, n, n_out)
+            outs = (self.v_out[:B], self.v_n[:B], self.v_am[:B])
+            torch.where(pick.unsqueeze(1), o, out, out=outs[0])  # straight into the buffers: no copies after
+            torch.where(pick, n, n_out, out=outs[1])
+            outs[2].copy_(am)
+            return outs
         outs = (self.v_out[:B], self.v_n[:B], self.v_am[:B])
         for buf, v in zip(outs, (out, n_out, am)):
             buf.copy_(v)

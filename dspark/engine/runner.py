@@ -995,17 +995,27 @@ class ModelRunner:
                 and all(_one_sync_params(s.request.params) and (s.request.params.greedy or s.num_spec_tokens > 0)
                         for s in scheduled))
 
-    def _verify_probabilistic(self, method: str, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _verify_probabilistic(self, method: str, *args: torch.Tensor,
+                              target_stats: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Verification by ``method`` (SpeculativeConfig.rejection_sample_method) of (probs, drafts, q,
         num_drafts, seeds, positions), through the method's fused kernel when there is one; if it fails
         (a Triton compile error on a GPU it was never run on), warn once and stay on the torch path for
-        that method, which gives the same tokens (block: up to a near-tie U_i ≈ h_i, kernels/rejection.py)."""
+        that method, which gives the same tokens (block: up to a near-tie U_i ≈ h_i, kernels/rejection.py).
+        ``target_stats`` [B, N+1, 3]: the first argument holds the target's logits, each row's probabilities
+        given by its (t, M, Z) (softmax.temperature_softmax_stats; the kernel's "From logits")."""
         kernel = self._fused_verify.get(method)
         if kernel is not None:
             try:  # every N up to the block size on one compiled kernel (kernels/rejection.py, "Compiled variants")
-                return kernel(*args, max_drafts=self.num_spec_tokens)
+                if target_stats is None:
+                    return kernel(*args, max_drafts=self.num_spec_tokens)
+                return kernel(*args, max_drafts=self.num_spec_tokens, target_stats=target_stats)
             except Exception as e:  # noqa: BLE001 (any compile/launch failure: the torch path is equivalent)
                 self._drop_fused_verify(method, e)
+        if target_stats is not None:  # the torch path reads probabilities
+            from dspark.kernels.softmax import probs_from_stats
+
+            x = args[0]
+            args = (probs_from_stats(x.reshape(-1, x.shape[-1]), target_stats.reshape(-1, 3)).view(x.shape), *args[1:])
         return verify_probabilistic(*args, method=method)
 
     def _drop_fused_verify(self, method: str, error: Exception) -> None:

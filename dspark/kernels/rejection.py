@@ -52,6 +52,16 @@ sums; acceptance and the partial Gumbel maxima; the shared reduction). With N <=
 to compute (h_1 = P_1 = min(r_1, 1): block is standard there) and the first of the three is skipped.
 Again, grid and loop bounds come from shapes only: no host synchronisation, CUDA-graph capturable.
 
+From logits
+-----------
+A sampled batch's verification in the CUDA graphs (engine/cuda_graphs.py ``_verify_step``, rows at a temperature
+only) passes the target's fp32 logits with each row's (t, M, Z) (``target_stats``, from
+softmax.temperature_softmax_stats) instead of probabilities: every read of p_i(x) — the gathered p_i(X_i), the
+mass tiles, the final token's tiles — computes exp(div_rn(x, t) - M) / Z, softmax._probs_kernel's own ops on its
+own values, so p and the tokens are those of the written probabilities, bit for bit. What it saves: the write
+of [B, N+1, V] fp32 (softmax's second launch, ~12 µs of the batch-32 step on an H100, session 54) for an
+exponential per element read. FROM_LOGITS doubles the compiled variants.
+
 Compiled variants
 -----------------
 Triton compiles a kernel once per set of constexprs and per specialisation of its integer arguments (== 1,
@@ -61,8 +71,8 @@ H100, 1.3-1.7 s inside a timed bench call (session 43). So the shapes that vary 
 kernel: the draft dimension is padded to ``max_drafts`` (N_PAD, OUT_PAD: the caller's block size; the padding
 slots are masked, and the acceptance uniforms are counter-based, so column i - 1 is U_i whatever the width), the
 reduction's split dimension to the vocabulary's tile count (S_PAD), and B, N, the tiles per split and the split
-count are not specialised on. What is left is HAS_MASS (N >= 2) and FINAL (one split), at most four kernels per
-method, which ``precompile`` builds before serving (for a vocabulary size that is a multiple of 16; otherwise the
+count are not specialised on. What is left is HAS_MASS (N >= 2), FINAL (one split) and FROM_LOGITS, at most
+eight kernels per method, which ``precompile`` builds before serving (for a vocabulary size that is a multiple of 16; otherwise the
 row strides' divisibility by 16 changes with N too, and a few more are compiled when first used).
 
 Draft ids outside [0, V) in real draft slots (the reference would fail on them in its gather) are
@@ -148,11 +158,28 @@ def _acceptance_uniforms(seed, pos, accept_stream, BLOCK_B: tl.constexpr, N_PAD:
 
 
 @triton.jit
+def _tp_load(tp_ptr, off, mask, ts_ptr, trow, tmask, FROM_LOGITS: tl.constexpr):
+    """The target probabilities at ``tp_ptr + off`` (0 where not ``mask``). FROM_LOGITS: ``tp_ptr`` holds the
+    logits and ``ts_ptr`` each logits row's (t, M, Z) (softmax.temperature_softmax_stats; ``trow``: the rows'
+    indices, ``tmask`` their mask, shaped to broadcast against ``off``): p = exp(div_rn(x, t) - M) / Z, the
+    ops of softmax._probs_kernel on its values, so the very probabilities it would have written."""
+    if FROM_LOGITS:
+        x = tl.load(tp_ptr + off, mask=mask, other=0.0)
+        zero = tl.zeros_like(x)
+        t = tl.load(ts_ptr + 3 * trow, mask=tmask, other=1.0) + zero
+        m = tl.load(ts_ptr + 3 * trow + 1, mask=tmask, other=0.0)
+        z = tl.load(ts_ptr + 3 * trow + 2, mask=tmask, other=1.0)
+        return tl.where(mask, tl.exp(tl.math.div_rn(x, t) - m) / z, 0.0)
+    else:
+        return tl.load(tp_ptr + off, mask=mask, other=0.0)
+
+
+@triton.jit
 def _final_token(
-    tp_ptr, stp_b, stp_r, dt_ptr, sdt_b, dp_ptr, sdp_b, sdp_r,
+    tp_ptr, stp_b, stp_r, ts_ptr, sts_b, dt_ptr, sdt_b, dp_ptr, sdp_b, sdp_r,
     out_ptr, nout_ptr, pf_ptr, pi_ptr, acc_ptr,
     rows, rm, nb, seed, pos, a, scale, s, N, V, NT, TPS, S, recover_stream,
-    SCALED: tl.constexpr, FINAL: tl.constexpr, PRECISE: tl.constexpr,
+    SCALED: tl.constexpr, FINAL: tl.constexpr, PRECISE: tl.constexpr, FROM_LOGITS: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, OUT_PAD: tl.constexpr,
 ):
     """Steps (2) and (3) of the module docstring once the accepted count a ([BLOCK_B] int32) is known:
@@ -163,6 +190,7 @@ def _final_token(
     is_bonus = a == nb
     use_res = rm & (a < nb)
     prow = rows * stp_b + a.to(tl.int64) * stp_r
+    trow = (rows * sts_b + a.to(tl.int64))[:, None]  # FROM_LOGITS: the logits row's (t, M, Z)
     qrow = rows * sdp_b + tl.where(use_res, a, 0).to(tl.int64) * sdp_r
     rpos = pos + a.to(tl.int64)  # the emitted token's position keys its noise
     best_p = tl.full([BLOCK_B], float("-inf"), tl.float32)
@@ -177,7 +205,7 @@ def _final_token(
         start = t * BLOCK_V
         cols = start + tl.arange(0, BLOCK_V)[None, :]
         cm = rm[:, None] & (cols < V)
-        p = tl.load(tp_ptr + prow[:, None] + cols, mask=cm, other=0.0)
+        p = _tp_load(tp_ptr, prow[:, None] + cols, cm, ts_ptr, trow, rm[:, None], FROM_LOGITS)
         q = tl.load(dp_ptr + qrow[:, None] + cols, mask=cm & use_res[:, None], other=0.0)
         g = _gumbel_from_words(_words_rows(seed, rpos, recover_stream, start, BLOCK_B, BLOCK_V), PRECISE)
         if SCALED:
@@ -214,7 +242,8 @@ def _final_token(
 
 @triton.jit(do_not_specialize=["sdt_b", "B", "N", "TPS", "S"])  # "Compiled variants" in the module docstring
 def _verify_standard_kernel(
-    tp_ptr, stp_b, stp_r,  # target probs [B, N+1, V] f32, unit stride over V
+    tp_ptr, stp_b, stp_r,  # target probs [B, N+1, V] f32, unit stride over V (FROM_LOGITS: the logits)
+    ts_ptr, sts_b,  # FROM_LOGITS: each logits row's (t, M, Z) [B, sts_b, 3] f32 (_tp_load)
     dt_ptr, sdt_b,  # draft tokens [B, N] int64
     dp_ptr, sdp_b, sdp_r,  # draft probs [B, N, V] f32, unit stride over V
     nd_ptr, seed_ptr, pos_ptr,  # [B] int64
@@ -222,7 +251,7 @@ def _verify_standard_kernel(
     pf_ptr, pi_ptr, acc_ptr,  # not FINAL: partials [B, S, 2] f32, [B, S, 4] int32, a [B] int32
     B, N, V, NT, TPS, S,
     accept_stream, recover_stream,
-    FINAL: tl.constexpr, PRECISE: tl.constexpr,
+    FINAL: tl.constexpr, PRECISE: tl.constexpr, FROM_LOGITS: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, N_PAD: tl.constexpr, OUT_PAD: tl.constexpr,
 ):
     s = tl.program_id(1)
@@ -238,7 +267,8 @@ def _verify_standard_kernel(
     valid = rm[:, None] & (j < nb[:, None])
     x = tl.load(dt_ptr + rows[:, None] * sdt_b + j, mask=valid, other=0).to(tl.int64)
     inv = valid & (x >= 0) & (x < V)  # a valid draft is a token id; out-of-range ones are rejected
-    px = tl.load(tp_ptr + rows[:, None] * stp_b + j * stp_r + x, mask=inv, other=0.0)
+    px = _tp_load(tp_ptr, rows[:, None] * stp_b + j * stp_r + x, inv, ts_ptr, rows[:, None] * sts_b + j, inv,
+                  FROM_LOGITS)
     qx = tl.load(dp_ptr + rows[:, None] * sdp_b + j * sdp_r + x, mask=inv, other=0.0)
     ratio = tl.math.div_rn(px, tl.maximum(qx, _TINY, propagate_nan=tl.PropagateNan.ALL))
     u = _acceptance_uniforms(seed, pos, accept_stream, BLOCK_B, N_PAD)
@@ -248,15 +278,16 @@ def _verify_standard_kernel(
 
     # (2), (3): the final token of norm(max(p_{a+1} - q_{a+1}, 0)) or p_{a+1}, and the output
     # (``scale`` is read only with SCALED: any tensor will do here).
-    _final_token(tp_ptr, stp_b, stp_r, dt_ptr, sdt_b, dp_ptr, sdp_b, sdp_r, out_ptr, nout_ptr, pf_ptr, pi_ptr, acc_ptr,
-                 rows, rm, nb, seed, pos, a, ratio, s, N, V, NT, TPS, S, recover_stream,
-                 SCALED=False, FINAL=FINAL, PRECISE=PRECISE, BLOCK_B=BLOCK_B, BLOCK_V=BLOCK_V, OUT_PAD=OUT_PAD)
+    _final_token(tp_ptr, stp_b, stp_r, ts_ptr, sts_b, dt_ptr, sdt_b, dp_ptr, sdp_b, sdp_r, out_ptr, nout_ptr, pf_ptr,
+                 pi_ptr, acc_ptr, rows, rm, nb, seed, pos, a, ratio, s, N, V, NT, TPS, S, recover_stream,
+                 SCALED=False, FINAL=FINAL, PRECISE=PRECISE, FROM_LOGITS=FROM_LOGITS, BLOCK_B=BLOCK_B,
+                 BLOCK_V=BLOCK_V, OUT_PAD=OUT_PAD)
 
 
 @triton.jit
 def _block_running_p(
-    tp_ptr, stp_b, stp_r, dt_ptr, sdt_b, dp_ptr, sdp_b, sdp_r, rows, rm, nb, N, V,
-    BLOCK_B: tl.constexpr, N_PAD: tl.constexpr,
+    tp_ptr, stp_b, stp_r, ts_ptr, sts_b, dt_ptr, sdt_b, dp_ptr, sdp_b, sdp_r, rows, rm, nb, N, V,
+    FROM_LOGITS: tl.constexpr, BLOCK_B: tl.constexpr, N_PAD: tl.constexpr,
 ):
     """[BLOCK_B, N_PAD] f32, column i - 1 = P_i for i = 1..N (0 past N; P_0 = 1 is implicit):
     P_i = min(P_{i-1} r_i, 1), r_i as the standard acceptance computes it and 1 in padding slots
@@ -268,7 +299,7 @@ def _block_running_p(
         valid = rm & (i < nb)
         x = tl.load(dt_ptr + rows * sdt_b + i, mask=valid, other=0).to(tl.int64)
         inv = valid & (x >= 0) & (x < V)  # out-of-range ids read as p = q = 0: r_i = 0, P_i = 0
-        px = tl.load(tp_ptr + rows * stp_b + i * stp_r + x, mask=inv, other=0.0)
+        px = _tp_load(tp_ptr, rows * stp_b + i * stp_r + x, inv, ts_ptr, rows * sts_b + i, inv, FROM_LOGITS)
         qx = tl.load(dp_ptr + rows * sdp_b + i * sdp_r + x, mask=inv, other=0.0)
         ratio = tl.math.div_rn(px, tl.maximum(qx, _TINY, propagate_nan=tl.PropagateNan.ALL))
         run = tl.where(valid, tl.minimum(run * ratio, 1.0, propagate_nan=tl.PropagateNan.ALL), run)
@@ -278,8 +309,8 @@ def _block_running_p(
 
 @triton.jit
 def _block_mass_tile(
-    tp_ptr, stp_b, stp_r, dp_ptr, sdp_b, sdp_r, rows, rm, nb, big_p, t, N, V,
-    BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, N_PAD: tl.constexpr,
+    tp_ptr, stp_b, stp_r, ts_ptr, sts_b, dp_ptr, sdp_b, sdp_r, rows, rm, nb, big_p, t, N, V,
+    FROM_LOGITS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, N_PAD: tl.constexpr,
 ):
     """[BLOCK_B, N_PAD] f32, column i - 1 = vocabulary tile t's share of
     R_i = Σ_x max(P_i·p_{i+1}(x) - q_{i+1}(x), 0) for 1 <= i < N_b, and 0 elsewhere (those rows are
@@ -291,7 +322,8 @@ def _block_mass_tile(
     for i in range(1, N):  # R_i reads target row i (p_{i+1}) and draft row i (q_{i+1})
         cm = (rm & (i < nb))[:, None] & (cols < V)
         big_pi = tl.sum(tl.where(j == i - 1, big_p, 0.0), 1)  # P_i (a sum of one term: exact)
-        p = tl.load(tp_ptr + (rows * stp_b + i * stp_r)[:, None] + cols, mask=cm, other=0.0)
+        p = _tp_load(tp_ptr, (rows * stp_b + i * stp_r)[:, None] + cols, cm, ts_ptr, (rows * sts_b + i)[:, None],
+                     rm[:, None], FROM_LOGITS)
         q = tl.load(dp_ptr + (rows * sdp_b + i * sdp_r)[:, None] + cols, mask=cm, other=0.0)
         d = big_pi[:, None] * p - q  # two roundings, as the reference's two ops (no fp fusion)
         r = tl.where(d < 0.0, 0.0, d)  # clamp(min=0), NaN kept
@@ -301,10 +333,10 @@ def _block_mass_tile(
 
 @triton.jit(do_not_specialize=["sdt_b", "B", "N", "TPS"])
 def _block_mass_kernel(
-    tp_ptr, stp_b, stp_r, dt_ptr, sdt_b, dp_ptr, sdp_b, sdp_r, nd_ptr,
+    tp_ptr, stp_b, stp_r, ts_ptr, sts_b, dt_ptr, sdt_b, dp_ptr, sdp_b, sdp_r, nd_ptr,
     part_ptr,  # tile sums [B, NT, N_PAD] f32
     B, N, V, NT, TPS,
-    BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, N_PAD: tl.constexpr,
+    FROM_LOGITS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, N_PAD: tl.constexpr,
 ):
     """Block verification with the vocabulary split, launch 1 of 3: the tile sums of R_1..R_{N-1} for
     this program's requests and tiles [s TPS, min((s + 1) TPS, NT))."""
@@ -312,20 +344,21 @@ def _block_mass_kernel(
     rows = (tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)).to(tl.int64)
     rm = rows < B
     nb = tl.minimum(tl.maximum(tl.load(nd_ptr + rows, mask=rm, other=0), 0), N).to(tl.int32)
-    big_p = _block_running_p(tp_ptr, stp_b, stp_r, dt_ptr, sdt_b, dp_ptr, sdp_b, sdp_r, rows, rm, nb, N, V,
-                             BLOCK_B, N_PAD)
+    big_p = _block_running_p(tp_ptr, stp_b, stp_r, ts_ptr, sts_b, dt_ptr, sdt_b, dp_ptr, sdp_b, sdp_r, rows, rm, nb,
+                             N, V, FROM_LOGITS, BLOCK_B, N_PAD)
     j = tl.arange(0, N_PAD)[None, :]
     t_lo = s * TPS
     t_hi = tl.minimum(t_lo + TPS, NT)
     for t in range(t_lo, t_hi):
-        part = _block_mass_tile(tp_ptr, stp_b, stp_r, dp_ptr, sdp_b, sdp_r, rows, rm, nb, big_p, t, N, V,
-                                BLOCK_B, BLOCK_V, N_PAD)
+        part = _block_mass_tile(tp_ptr, stp_b, stp_r, ts_ptr, sts_b, dp_ptr, sdp_b, sdp_r, rows, rm, nb, big_p, t,
+                                N, V, FROM_LOGITS, BLOCK_B, BLOCK_V, N_PAD)
         tl.store(part_ptr + (rows[:, None] * NT + t) * N_PAD + j, part, mask=rm[:, None])
 
 
 @triton.jit(do_not_specialize=["sdt_b", "B", "N", "TPS", "S"])
 def _verify_block_kernel(
-    tp_ptr, stp_b, stp_r,  # target probs [B, N+1, V] f32, unit stride over V
+    tp_ptr, stp_b, stp_r,  # target probs [B, N+1, V] f32, unit stride over V (FROM_LOGITS: the logits)
+    ts_ptr, sts_b,  # FROM_LOGITS: each logits row's (t, M, Z) [B, sts_b, 3] f32 (_tp_load)
     dt_ptr, sdt_b,  # draft tokens [B, N] int64
     dp_ptr, sdp_b, sdp_r,  # draft probs [B, N, V] f32, unit stride over V
     nd_ptr, seed_ptr, pos_ptr,  # [B] int64
@@ -334,7 +367,7 @@ def _verify_block_kernel(
     pf_ptr, pi_ptr, acc_ptr,  # not FINAL: partials [B, S, 2] f32, [B, S, 4] int32, τ [B] int32
     B, N, V, NT, TPS, S,
     accept_stream, recover_stream,
-    FINAL: tl.constexpr, HAS_MASS: tl.constexpr, PRECISE: tl.constexpr,
+    FINAL: tl.constexpr, HAS_MASS: tl.constexpr, PRECISE: tl.constexpr, FROM_LOGITS: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, N_PAD: tl.constexpr, OUT_PAD: tl.constexpr,
 ):
     s = tl.program_id(1)
@@ -345,15 +378,15 @@ def _verify_block_kernel(
     pos = tl.load(pos_ptr + rows, mask=rm, other=0)
 
     # (1) P_1..P_N and R_1..R_{N-1}: the tile sums added in tile order, whoever computed them.
-    big_p = _block_running_p(tp_ptr, stp_b, stp_r, dt_ptr, sdt_b, dp_ptr, sdp_b, sdp_r, rows, rm, nb, N, V,
-                             BLOCK_B, N_PAD)
+    big_p = _block_running_p(tp_ptr, stp_b, stp_r, ts_ptr, sts_b, dt_ptr, sdt_b, dp_ptr, sdp_b, sdp_r, rows, rm, nb,
+                             N, V, FROM_LOGITS, BLOCK_B, N_PAD)
     j = tl.arange(0, N_PAD)[None, :]
     mass = tl.zeros([BLOCK_B, N_PAD], tl.float32)
     if HAS_MASS:
         if FINAL:
             for t in range(0, NT):
-                mass += _block_mass_tile(tp_ptr, stp_b, stp_r, dp_ptr, sdp_b, sdp_r, rows, rm, nb, big_p, t, N, V,
-                                         BLOCK_B, BLOCK_V, N_PAD)
+                mass += _block_mass_tile(tp_ptr, stp_b, stp_r, ts_ptr, sts_b, dp_ptr, sdp_b, sdp_r, rows, rm, nb,
+                                         big_p, t, N, V, FROM_LOGITS, BLOCK_B, BLOCK_V, N_PAD)
         else:
             for t in range(0, NT):
                 mass += tl.load(part_ptr + (rows[:, None] * NT + t) * N_PAD + j, mask=rm[:, None], other=0.0)
@@ -369,9 +402,10 @@ def _verify_block_kernel(
     scale = tl.where(tau == 0, 1.0, tl.sum(tl.where(slot == tau[:, None], big_p, 0.0), 1))  # P_τ, exact
 
     # (3) the final token of norm(max(P_τ·p_{τ+1} - q_{τ+1}, 0)) or p_{τ+1}, and the output.
-    _final_token(tp_ptr, stp_b, stp_r, dt_ptr, sdt_b, dp_ptr, sdp_b, sdp_r, out_ptr, nout_ptr, pf_ptr, pi_ptr, acc_ptr,
-                 rows, rm, nb, seed, pos, tau, scale, s, N, V, NT, TPS, S, recover_stream,
-                 SCALED=True, FINAL=FINAL, PRECISE=PRECISE, BLOCK_B=BLOCK_B, BLOCK_V=BLOCK_V, OUT_PAD=OUT_PAD)
+    _final_token(tp_ptr, stp_b, stp_r, ts_ptr, sts_b, dt_ptr, sdt_b, dp_ptr, sdp_b, sdp_r, out_ptr, nout_ptr, pf_ptr,
+                 pi_ptr, acc_ptr, rows, rm, nb, seed, pos, tau, scale, s, N, V, NT, TPS, S, recover_stream,
+                 SCALED=True, FINAL=FINAL, PRECISE=PRECISE, FROM_LOGITS=FROM_LOGITS, BLOCK_B=BLOCK_B,
+                 BLOCK_V=BLOCK_V, OUT_PAD=OUT_PAD)
 
 
 @triton.jit
@@ -451,12 +485,18 @@ def _verify_triton(
     splits: int | None,
     num_warps: int,
     max_drafts: int | None = None,
+    target_stats: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """verify_standard_triton / verify_block_triton: the checks, conversions, layout and launches."""
     check_device(target_probs)
     batch, n = draft_tokens.shape
     vocab = target_probs.shape[-1]
     assert target_probs.shape == (batch, n + 1, vocab), (target_probs.shape, draft_tokens.shape)
+    if target_stats is not None and (target_stats.shape != (batch, n + 1, 3) or target_stats.dtype != torch.float32
+                                     or target_stats.stride(2) != 1 or target_stats.stride(1) != 3):
+        raise ValueError(f"target_stats must be float32 [{batch}, {n + 1}, 3] with rows of 3 contiguous values "
+                         f"(softmax.temperature_softmax_stats), got {tuple(target_stats.shape)} "
+                         f"{target_stats.dtype} strides {target_stats.stride()}")
     assert draft_probs.shape == (batch, n, vocab), (draft_probs.shape, draft_tokens.shape)
     dev = target_probs.device
     tokens = torch.empty(batch, n + 1, dtype=torch.int64, device=dev)
@@ -494,14 +534,16 @@ def _verify_triton(
         pf = torch.empty(batch, n_split, 2, dtype=torch.float32, device=dev)
         pi = torch.empty(batch, n_split, 4, dtype=torch.int32, device=dev)
         acc = torch.empty(batch, dtype=torch.int32, device=dev)
-    probs = (target_probs, target_probs.stride(0), target_probs.stride(1), draft_tokens, sdt_b,
+    from_logits = target_stats is not None
+    stats, sts_b = (target_stats, target_stats.stride(0) // 3) if from_logits else (target_probs, 0)
+    probs = (target_probs, target_probs.stride(0), target_probs.stride(1), stats, sts_b, draft_tokens, sdt_b,
              draft_probs, sdp_b, sdp_r)
     streams = (accept_stream & 0xFFFFFFFF, recover_stream & 0xFFFFFFFF)
     if method == "standard":
         _verify_standard_kernel[(n_prog, n_split)](
             *probs, num_drafts, seeds, positions, tokens, num_emitted, pf, pi, acc,
             batch, n, vocab, nt, tps, n_split, *streams,
-            FINAL=final, PRECISE=_precise(target_probs),
+            FINAL=final, PRECISE=_precise(target_probs), FROM_LOGITS=from_logits,
             BLOCK_B=block_b, BLOCK_V=block_v, N_PAD=n_pad, OUT_PAD=out_pad,
             num_warps=num_warps, **opts,
         )
@@ -511,13 +553,13 @@ def _verify_triton(
         if has_mass and not final:
             part = torch.empty(batch, nt, n_pad, dtype=torch.float32, device=dev)
             _block_mass_kernel[(n_prog, n_split)](
-                *probs, num_drafts, part, batch, n, vocab, nt, tps,
+                *probs, num_drafts, part, batch, n, vocab, nt, tps, FROM_LOGITS=from_logits,
                 BLOCK_B=block_b, BLOCK_V=block_v, N_PAD=n_pad, num_warps=num_warps, **opts,
             )
         _verify_block_kernel[(n_prog, n_split)](
             *probs, num_drafts, seeds, positions, tokens, num_emitted, part, pf, pi, acc,
             batch, n, vocab, nt, tps, n_split, *streams,
-            FINAL=final, HAS_MASS=has_mass, PRECISE=_precise(target_probs),
+            FINAL=final, HAS_MASS=has_mass, PRECISE=_precise(target_probs), FROM_LOGITS=from_logits,
             BLOCK_B=block_b, BLOCK_V=block_v, N_PAD=n_pad, OUT_PAD=out_pad,
             num_warps=num_warps, **opts,
         )
@@ -544,6 +586,7 @@ def verify_standard_triton(
     splits: int | None = None,
     num_warps: int = 4,
     max_drafts: int | None = None,
+    target_stats: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``verify_probabilistic(target_probs, draft_tokens, draft_probs, num_drafts, seeds, positions,
     "standard", accept_stream, recover_stream)``, fused (see the module docstring).
@@ -560,9 +603,15 @@ def verify_standard_triton(
     for ~2 programs per SM; interpreter: 1). One split is one launch, more are two. ``max_drafts``: the
     most drafts the caller ever verifies (its block size); every N up to it then runs the same compiled
     kernel (the module docstring's "Compiled variants"). It changes no token.
+
+    ``target_stats`` [B, N+1, 3] f32 (softmax.temperature_softmax_stats of the rows, viewed per request): then
+    ``target_probs`` holds the target's fp32 logits and each probability is made where it is read, with the ops
+    that would have written it (the module docstring's "From logits"): the same tokens as from
+    ``temperature_softmax_argmax``'s probabilities, without writing or reading those.
     """
     return _verify_triton("standard", target_probs, draft_tokens, draft_probs, num_drafts, seeds, positions,
-                          accept_stream, recover_stream, block_v, block_b, splits, num_warps, max_drafts)
+                          accept_stream, recover_stream, block_v, block_b, splits, num_warps, max_drafts,
+                          target_stats)
 
 
 def verify_block_triton(
@@ -580,6 +629,7 @@ def verify_block_triton(
     splits: int | None = None,
     num_warps: int = 4,
     max_drafts: int | None = None,
+    target_stats: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``verify_probabilistic(target_probs, draft_tokens, draft_probs, num_drafts, seeds, positions,
     "block", accept_stream, recover_stream)``, fused (see the module docstring): the same arguments,
@@ -589,7 +639,8 @@ def verify_block_triton(
     (``block_b`` 1 on CUDA) a request's tokens do not depend on the rest of its batch.
     """
     return _verify_triton("block", target_probs, draft_tokens, draft_probs, num_drafts, seeds, positions,
-                          accept_stream, recover_stream, block_v, block_b, splits, num_warps, max_drafts)
+                          accept_stream, recover_stream, block_v, block_b, splits, num_warps, max_drafts,
+                          target_stats)
 
 
 def precompile(method: str, vocab: int, max_drafts: int, device: torch.device | str) -> int:
@@ -605,8 +656,10 @@ def precompile(method: str, vocab: int, max_drafts: int, device: torch.device | 
         probs = torch.full((1, n + 1, vocab), 1.0 / vocab, device=dev)
         q = torch.full((1, n, vocab), 1.0 / vocab, device=dev)
         one = torch.ones(1, dtype=torch.int64, device=dev)
+        stats = torch.tensor([[[1.0, 0.0, float(vocab)]] * (n + 1)], device=dev)  # zero logits: uniform p
         for splits in (None, 1):
-            fn(probs, torch.zeros(1, n, dtype=torch.int64, device=dev), q, one * n, one, one, splits=splits,
-               max_drafts=max_drafts)
-            runs += 1
+            for st, tp in ((None, probs), (stats, torch.zeros_like(probs))):
+                fn(tp, torch.zeros(1, n, dtype=torch.int64, device=dev), q, one * n, one, one, splits=splits,
+                   max_drafts=max_drafts, target_stats=st)
+                runs += 1
     return runs

@@ -102,6 +102,25 @@ def _probs_kernel(x_ptr, stride_x, t_ptr, amax_ptr, aidx_ptr, zmax_ptr, zsum_ptr
 
 
 @triton.jit
+def _stats_kernel(t_ptr, amax_ptr, aidx_ptr, zmax_ptr, zsum_ptr, st_ptr, am_ptr, NT, NT_PAD: tl.constexpr):
+    """Row b's (t, M, Z) and arg-max from launch A's partials: the values _probs_kernel reduces in each of
+    its programs (the same code on the same partials, hence the same bits), so exp(x / t - M) / Z made
+    elsewhere from them is _probs_kernel's probability to the bit."""
+    b = tl.program_id(0)
+    tt = tl.arange(0, NT_PAD)
+    tm = tt < NT
+    mz = tl.load(zmax_ptr + b * NT_PAD + tt, mask=tm, other=_NEG_INF)
+    se = tl.load(zsum_ptr + b * NT_PAD + tt, mask=tm, other=0.0)
+    M = tl.max(mz, 0)
+    Z = tl.sum(tl.where(tm, se * tl.exp(mz - M), 0.0), 0)
+    temp = tl.load(t_ptr + b)
+    tl.store(st_ptr + 3 * b, tl.where(temp == 0.0, 1.0, temp))
+    tl.store(st_ptr + 3 * b + 1, M)
+    tl.store(st_ptr + 3 * b + 2, Z)
+    tl.store(am_ptr + b, _first_argmax(amax_ptr + b * NT_PAD, aidx_ptr + b * NT_PAD, NT, NT_PAD).to(tl.int64))
+
+
+@triton.jit
 def _sample_partials_kernel(x_ptr, stride_x, t_ptr, seeds_ptr, pos_ptr, stream, smax_ptr, sidx_ptr, V,
                             NT_PAD: tl.constexpr, BLOCK_V: tl.constexpr, GREEDY_ONLY: tl.constexpr,
                             PRECISE: tl.constexpr):
@@ -243,3 +262,48 @@ def temperature_softmax_argmax_reference(logits: Tensor, temperature: Tensor,
         one_hot = torch.nn.functional.one_hot(am, x.shape[-1]).to(torch.float32)
         probs = torch.where((t == 0).unsqueeze(1), one_hot, probs)
     return probs, am
+
+
+def temperature_softmax_stats(logits: Tensor, temperature: Tensor, *, stats_out: Tensor | None = None,
+                              argmax_out: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(stats [R, 3] fp32, argmax [R] int64): for each row the temperature it is divided by (1 for t = 0),
+    M = max(x / t) and Z = Σ exp(x / t - M) (x / t rounded as ``div_rn``), so that a consumer reading the
+    logits can make ``temperature_softmax_argmax``'s probabilities itself, to the bit:
+    p = exp(div_rn(x, t) - M) / Z. What block / standard verification reads instead of a written [R, V]
+    (kernels/rejection.py ``target_stats``): launch A, then one small program per row in place of launch B's
+    write of every probability. Capturable, as ``temperature_softmax_argmax``."""
+    logits = _rows_2d(logits)
+    R, V = logits.shape
+    dev = logits.device
+    if temperature.shape != (R,):
+        raise ValueError(f"temperature must be [{R}], got shape {tuple(temperature.shape)}")
+    temperature = temperature.to(device=dev, dtype=torch.float32)
+    if stats_out is None:
+        stats_out = torch.empty(R, 3, dtype=torch.float32, device=dev)
+    elif stats_out.shape != (R, 3) or stats_out.dtype != torch.float32 or not stats_out.is_contiguous():
+        raise ValueError(f"stats_out must be a contiguous float32 {(R, 3)} tensor")
+    if argmax_out is None:
+        argmax_out = torch.empty(R, dtype=torch.int64, device=dev)
+    elif argmax_out.shape != (R,) or argmax_out.dtype != torch.int64:
+        raise ValueError(f"argmax_out must be an int64 ({R},) tensor")
+    if R == 0:
+        return stats_out, argmax_out
+    block_v, warps = TILE_CUDA if logits.is_cuda else TILE_CPU
+    nt = triton.cdiv(V, block_v)
+    nt_pad = next_pow2(nt)
+    f32 = dict(dtype=torch.float32, device=dev)
+    amax, zmax, zsum = (torch.empty(R, nt_pad, **f32) for _ in range(3))
+    aidx = torch.empty(R, nt_pad, dtype=torch.int32, device=dev)
+    _partials_kernel[(R, nt)](logits, logits.stride(0), temperature, amax, aidx, zmax, zsum, V, NT_PAD=nt_pad,
+                              BLOCK_V=block_v, num_warps=warps)
+    # the warps of _probs_kernel's launch: its reductions of the partials, laid out alike
+    _stats_kernel[(R,)](temperature, amax, aidx, zmax, zsum, stats_out, argmax_out, nt, NT_PAD=nt_pad,
+                        num_warps=warps)
+    return stats_out, argmax_out
+
+
+def probs_from_stats(logits: Tensor, stats: Tensor) -> Tensor:
+    """[R, V] fp32 probabilities from the logits and ``temperature_softmax_stats``'s stats with torch's ops,
+    exp(x / t - M) / Z: equal to the kernels' up to rounding, not to the bit (a fallback's)."""
+    x = logits.float()
+    return torch.exp(x / stats[:, :1] - stats[:, 1:2]) / stats[:, 2:3]

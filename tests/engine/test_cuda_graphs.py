@@ -218,7 +218,7 @@ def test_precompile_verification(target, drafter, monkeypatch, caplog):
     mk = lambda **extra: LLM(str(target), device="cpu", block_size=4, num_kv_blocks=64,  # noqa: E731
                              attention_backend="triton", max_num_seqs=3, **extra)
     runner = mk(**kw).engine.runner
-    assert runner.num_spec_tokens == 4 and runner.precompile_verification() == 4
+    assert runner.num_spec_tokens == 4 and runner.precompile_verification() == 8  # from probs and from logits
     assert mk().engine.runner.precompile_verification() == 0
 
     import dspark.kernels.rejection as rejection

@@ -51,13 +51,19 @@ PARAMS = {
     ("mixed_t", {"rejection_sample_method": "block"}, 512),
 ])
 def test_one_sync_sampled_steps_match_the_host_path(spec_pair, prompts, case, spec, filter_rows, monkeypatch):
+    from dspark.kernels import softmax
+
     monkeypatch.setattr(cuda_graphs, "FILTER_GRAPH_ROWS", filter_rows)
+    calls = []  # the sampled verification graph's softmax stats (VERIFY_SAMPLED reads the logits: "From logits")
+    stats = softmax.temperature_softmax_stats
+    monkeypatch.setattr(softmax, "temperature_softmax_stats", lambda *a, **k: calls.append(1) or stats(*a, **k))
     reqs = list(zip(prompts, PARAMS[case]))
     ref = _llm(spec_pair, False, **spec)
     want, _, _ = _drive(ref, reqs)
     llm = _llm(spec_pair, True, **spec)
     got, _, _ = _drive(llm, reqs)
     assert _summary(got) == _summary(want)
+    assert bool(calls) == (case in ("sampled", "mixed_t"))
     st, ref_st = llm.engine.spec_stats, ref.engine.spec_stats
     assert (st.num_drafts, st.num_accepted) == (ref_st.num_drafts, ref_st.num_accepted)
     assert 0 < st.num_accepted < st.num_drafts

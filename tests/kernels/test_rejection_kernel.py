@@ -528,11 +528,12 @@ def test_one_launch_shape_for_every_draft_count_and_batch() -> None:
 
 @pytest.mark.parametrize("method", ["standard", "block"])
 def test_precompile_runs_every_variant(method: str) -> None:
-    """precompile runs N = 1 and N = max_drafts, each split and in one split, on dummy inputs, and returns the count."""
+    """precompile runs N = 1 and N = max_drafts, each split and in one split, from probabilities and from logits
+    (target_stats), on dummy inputs, and returns the count."""
     from dspark.kernels.rejection import precompile
 
-    assert precompile(method, 50, 5, "cpu") == 4
-    assert precompile(method, 50, 1, "cpu") == 2
+    assert precompile(method, 50, 5, "cpu") == 8
+    assert precompile(method, 50, 1, "cpu") == 4
 
 
 def test_block_verification_split_default() -> None:
@@ -545,3 +546,61 @@ def test_block_verification_split_default() -> None:
            for b in (1, 8, 16, 32)}
     assert got == {1: 48, 8: 48, 16: 48, 32: 24}, got
     assert _launch(32, 3, 49152, True, 132, None, None, None, 7)["n_split"] == 8  # standard's default: 2 per SM
+
+
+# ------------------------------------------------------------------------------------------ from logits
+def _logits_inputs(B: int, N: int, V: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """Target logits [B * (N+1), V] with per-row temperatures (0 among them), and drafts drawn from a q near
+    the target's distribution at those temperatures (or one-hot: greedy drafts), ragged with -1 / NaN padding."""
+    from dspark.kernels.softmax import temperature_softmax_argmax
+
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(B * (N + 1), V, generator=g) * 3.0
+    temps = torch.tensor([1.0, 0.7, 0.0, 1.3, 0.5, 2.0])[torch.arange(B) % 6]
+    t = temps.repeat_interleave(N + 1)
+    probs, _ = temperature_softmax_argmax(logits, t)
+    p = probs.view(B, N + 1, V)
+    q = torch.softmax(p[:, :N].clamp(min=1e-30).log() + 0.6 * torch.randn(B, N, V, generator=g), dim=-1)
+    q[1::3] = torch.nn.functional.one_hot(q[1::3].argmax(-1), V).float()
+    drafts = torch.multinomial(q.reshape(-1, V), 1, generator=g).view(B, N)
+    nd = torch.randint(0, N + 1, (B,), generator=g)
+    nd[0] = N
+    pad = torch.arange(N).unsqueeze(0) >= nd.unsqueeze(1)
+    drafts = torch.where(pad, -1, drafts)
+    q = torch.where(pad.unsqueeze(-1), float("nan"), q)
+    seeds = torch.randint(-(2**62), 2**62, (B,), generator=g)
+    positions = torch.randint(0, 2**33, (B,), generator=g)
+    return logits, t, drafts, q, nd, seeds, positions
+
+
+@pytest.mark.parametrize("method", ["standard", "block"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("B,N,V", [(6, 3, 300), (4, 1, 97), (3, 5, 256), (2, 0, 50)])
+def test_from_logits_same_tokens_as_from_probs(method: str, layout: str, B: int, N: int, V: int) -> None:
+    """target_stats (softmax.temperature_softmax_stats) with the logits gives the tokens and counts of
+    temperature_softmax_argmax's probabilities, exactly: each p is made with the ops that would have written it."""
+    from dspark.kernels.softmax import temperature_softmax_argmax, temperature_softmax_stats
+
+    fn = {"standard": verify_standard_triton, "block": verify_block_triton}[method]
+    total = torch.zeros(2, dtype=torch.int64)
+    for seed in range(3):
+        logits, t, drafts, q, nd, seeds, positions = _logits_inputs(B, N, V, 100 * seed + 7 * B + N)
+        probs, am = temperature_softmax_argmax(logits, t)
+        stats, am2 = temperature_softmax_stats(logits, t)
+        assert torch.equal(am, am2)
+        want = fn(probs.view(B, N + 1, V), drafts, q, nd, seeds, positions, **LAYOUTS[layout])
+        got = fn(logits.view(B, N + 1, V), drafts, q, nd, seeds, positions, **LAYOUTS[layout],
+                 target_stats=stats.view(B, N + 1, 3))
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (got, want)
+        total += torch.stack([(want[1] - 1).sum(), nd.sum()])
+    if N:
+        assert 0 < total[0] < total[1]  # some drafts accepted, some rejected: the acceptance really compared
+
+
+def test_from_logits_rejects_bad_stats() -> None:
+    logits, t, drafts, q, nd, seeds, positions = _logits_inputs(2, 2, 50, 1)
+    x = logits.view(2, 3, 50)
+    with pytest.raises(ValueError, match="target_stats must be float32"):
+        verify_block_triton(x, drafts, q, nd, seeds, positions, target_stats=torch.ones(2, 3, 2))
+    with pytest.raises(ValueError, match="target_stats must be float32"):
+        verify_standard_triton(x, drafts, q, nd, seeds, positions, target_stats=torch.ones(2, 3, 3).double())

@@ -138,3 +138,29 @@ def test_sample_buffers_strided_bf16_and_errors() -> None:
         temperature_sample(x, t, seeds, pos, out=torch.empty(3, dtype=torch.int32))
     with pytest.raises(ValueError, match=r"\[R, V\]"):
         temperature_sample(x[0], None)
+
+
+def test_softmax_stats_against_torch() -> None:
+    """temperature_softmax_stats: per row (t, max(x / t), Σ exp(x / t - max)) to float32 rounding, t = 1 for
+    greedy rows, the first arg-max exactly (ties across tiles); probs_from_stats gives softmax(x / t)."""
+    from dspark.kernels.softmax import probs_from_stats, temperature_softmax_stats
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 499, generator=g) * 4
+    x[2, 10] = x[2, 300] = x[2].max() + 1  # a tie across tiles: the first wins
+    t = torch.tensor([1.0, 0.0, 0.6, 2.5, 1.0])
+    stats, am = temperature_softmax_stats(x, t)
+    te = torch.where(t == 0, torch.ones_like(t), t)
+    z = x / te[:, None]
+    assert torch.equal(stats[:, 0], te)
+    assert torch.equal(stats[:, 1], z.max(-1).values)
+    torch.testing.assert_close(stats[:, 2], torch.exp(z - z.max(-1, keepdim=True).values).sum(-1), rtol=1e-5, atol=0)
+    assert torch.equal(am, x.argmax(-1)) and int(am[2]) == 10
+    torch.testing.assert_close(probs_from_stats(x, stats), torch.softmax(z, -1), rtol=1e-5, atol=1e-7)
+    s2, a2 = torch.empty(5, 3), torch.empty(5, dtype=torch.int64)
+    out = temperature_softmax_stats(x, t, stats_out=s2, argmax_out=a2)
+    assert out[0] is s2 and out[1] is a2 and torch.equal(s2, stats)
+    with pytest.raises(ValueError, match="temperature must be"):
+        temperature_softmax_stats(x, t[:2])
+    with pytest.raises(ValueError, match="stats_out"):
+        temperature_softmax_stats(x, t, stats_out=torch.empty(5, 2))
