@@ -72,8 +72,8 @@ kernel: the draft dimension is padded to ``max_drafts`` (N_PAD, OUT_PAD: the cal
 slots are masked, and the acceptance uniforms are counter-based, so column i - 1 is U_i whatever the width), the
 reduction's split dimension to the vocabulary's tile count (S_PAD), and B, N, the tiles per split and the split
 count are not specialised on. What is left is HAS_MASS (N >= 2), FINAL (one split) and FROM_LOGITS, at most
-eight kernels per method, which ``precompile`` builds before serving (for a vocabulary size that is a multiple of 16; otherwise the
-row strides' divisibility by 16 changes with N too, and a few more are compiled when first used).
+eight kernels per method, which ``precompile`` builds before serving (for a vocabulary size that is a multiple of
+16; otherwise the row strides' divisibility by 16 changes with N too, and a few more are compiled when first used).
 
 Draft ids outside [0, V) in real draft slots (the reference would fail on them in its gather) are
 read as p_i(X_i) = q_i(X_i) = 0, so r_i = 0: the standard kernel rejects them, and in block P_i = 0
