@@ -350,7 +350,7 @@ class StepGraphs:
                 rep.update(zip(("top_k", "top_p", "min_p"), (x[:B * q] for x in self._neutral_rows)))
             r = self.runner
             method = r.spec.rejection_sample_method
-            if plain and VERIFY_FROM_LOGITS and method in r._fused_verify:
+            if plain and VERIFY_FROM_LOGITS and r.verify_from_logits and method in r._fused_verify:
                 # each row's (t, M, Z) and argmax; the kernel makes every p it reads from the logits
                 from dspark.kernels.softmax import temperature_softmax_stats
 

@@ -160,6 +160,8 @@ class ModelRunner:
             from dspark.kernels.rejection import verify_block_triton, verify_standard_triton
 
             self._fused_verify = {"standard": verify_standard_triton, "block": verify_block_triton}
+        # the fused kernels' "From logits" variant (StepGraphs._verify_step); off for good if it ever fails to build
+        self.verify_from_logits = True
         self._split_k_modules: list[torch.nn.Module] = []
         self.cpu_split_k_rows: int | None = None  # the CPU: products of up to this many rows split-K (_choose_split_k_rows)
         if self.device.type == "cpu":
@@ -1004,18 +1006,23 @@ class ModelRunner:
         ``target_stats`` [B, N+1, 3]: the first argument holds the target's logits, each row's probabilities
         given by its (t, M, Z) (softmax.temperature_softmax_stats; the kernel's "From logits")."""
         kernel = self._fused_verify.get(method)
-        if kernel is not None:
-            try:  # every N up to the block size on one compiled kernel (kernels/rejection.py, "Compiled variants")
-                if target_stats is None:
-                    return kernel(*args, max_drafts=self.num_spec_tokens)
-                return kernel(*args, max_drafts=self.num_spec_tokens, target_stats=target_stats)
-            except Exception as e:  # noqa: BLE001 (any compile/launch failure: the torch path is equivalent)
-                self._drop_fused_verify(method, e)
-        if target_stats is not None:  # the torch path reads probabilities
-            from dspark.kernels.softmax import probs_from_stats
+        if target_stats is not None:
+            if kernel is not None and self.verify_from_logits:
+                try:
+                    return kernel(*args, max_drafts=self.num_spec_tokens, target_stats=target_stats)
+                except Exception as e:  # noqa: BLE001 (the variant reading probabilities, below, is equivalent)
+                    logger.warning("verification from logits failed (%s: %s); verifying from probabilities from now "
+                                   "on", type(e).__name__, e)
+                    self.verify_from_logits = False
+            from dspark.kernels.softmax import probs_from_stats  # the others read probabilities
 
             x = args[0]
             args = (probs_from_stats(x.reshape(-1, x.shape[-1]), target_stats.reshape(-1, 3)).view(x.shape), *args[1:])
+        if kernel is not None:
+            try:  # every N up to the block size on one compiled kernel (kernels/rejection.py, "Compiled variants")
+                return kernel(*args, max_drafts=self.num_spec_tokens)
+            except Exception as e:  # noqa: BLE001 (any compile/launch failure: the torch path is equivalent)
+                self._drop_fused_verify(method, e)
         return verify_probabilistic(*args, method=method)
 
     def _drop_fused_verify(self, method: str, error: Exception) -> None:
@@ -1037,10 +1044,18 @@ class ModelRunner:
         from dspark.kernels.rejection import precompile
 
         try:
-            return precompile(method, self.vocab_size, self.num_spec_tokens, self.device)
+            runs = precompile(method, self.vocab_size, self.num_spec_tokens, self.device)
         except Exception as e:  # noqa: BLE001 (as _verify_probabilistic: the torch path is equivalent)
             self._drop_fused_verify(method, e)
             return 0
+        if self.verify_from_logits:  # the sampled verification graph's variant (StepGraphs._verify_step)
+            try:
+                runs += precompile(method, self.vocab_size, self.num_spec_tokens, self.device, from_logits=True)
+            except Exception as e:  # noqa: BLE001 (as _verify_probabilistic: from probabilities instead)
+                logger.warning("verification from logits failed to build (%s: %s); verifying from probabilities",
+                               type(e).__name__, e)
+                self.verify_from_logits = False
+        return runs
 
     def _logprobs(self, sampling, logits: torch.Tensor, offset: dict[int, int], result: StepResult) -> None:
         want = [(b, s) for b, s in sampling if s.request.params.logprobs is not None]

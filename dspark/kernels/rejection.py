@@ -643,12 +643,13 @@ def verify_block_triton(
                           target_stats)
 
 
-def precompile(method: str, vocab: int, max_drafts: int, device: torch.device | str) -> int:
+def precompile(method: str, vocab: int, max_drafts: int, device: torch.device | str, from_logits: bool = False) -> int:
     """Build, before serving, every kernel ``method``'s verification can need for up to ``max_drafts`` drafts at
     any batch size: N = 1 and N = max_drafts (without and with HAS_MASS), each with the vocabulary split and
     in one split (FINAL), on one-request dummy inputs (the batch size is not specialised on). Returns the
     number of verifications run. The engine calls it at warm-up (LLMEngine.warm_up, ModelRunner), where
-    eager steps would otherwise compile these while serving (the module docstring's "Compiled variants")."""
+    eager steps would otherwise compile these while serving (the module docstring's "Compiled variants").
+    ``from_logits``: the variants reading logits and ``target_stats`` instead."""
     fn = {"standard": verify_standard_triton, "block": verify_block_triton}[method]
     dev = torch.device(device)
     runs = 0
@@ -656,10 +657,10 @@ def precompile(method: str, vocab: int, max_drafts: int, device: torch.device | 
         probs = torch.full((1, n + 1, vocab), 1.0 / vocab, device=dev)
         q = torch.full((1, n, vocab), 1.0 / vocab, device=dev)
         one = torch.ones(1, dtype=torch.int64, device=dev)
-        stats = torch.tensor([[[1.0, 0.0, float(vocab)]] * (n + 1)], device=dev)  # zero logits: uniform p
+        stats = torch.tensor([[[1.0, 0.0, float(vocab)]] * (n + 1)], device=dev) if from_logits else None
+        tp = torch.zeros_like(probs) if from_logits else probs  # zero logits with those stats: the same uniform p
         for splits in (None, 1):
-            for st, tp in ((None, probs), (stats, torch.zeros_like(probs))):
-                fn(tp, torch.zeros(1, n, dtype=torch.int64, device=dev), q, one * n, one, one, splits=splits,
-                   max_drafts=max_drafts, target_stats=st)
-                runs += 1
+            fn(tp, torch.zeros(1, n, dtype=torch.int64, device=dev), q, one * n, one, one, splits=splits,
+               max_drafts=max_drafts, target_stats=stats)
+            runs += 1
     return runs

@@ -231,3 +231,42 @@ def test_precompile_verification(target, drafter, monkeypatch, caplog):
         assert runner.precompile_verification() == 0
     assert "standard" not in runner._fused_verify and "block" in runner._fused_verify
     assert "fused verification kernel failed (RuntimeError: no such instruction)" in caplog.text
+
+
+def test_verification_from_logits_falls_back(target, drafter, monkeypatch, caplog):
+    """The "From logits" variant failing to build (precompile) or to run turns that variant off, not the method:
+    verification goes on from probabilities (probs_from_stats), with the tokens of the probabilities."""
+    import dspark.kernels.rejection as rejection
+    from dspark.kernels.softmax import probs_from_stats, temperature_softmax_stats
+    from dspark.spec.rejection import verify_probabilistic
+
+    spec = {"model": str(drafter), "draft_sample_method": "probabilistic", "rejection_sample_method": "block"}
+    runner = LLM(str(target), device="cpu", block_size=4, num_kv_blocks=64, attention_backend="triton",
+                 max_num_seqs=3, speculative_config=spec).engine.runner
+    real = rejection.precompile
+    monkeypatch.setattr(rejection, "precompile", lambda *a, from_logits=False, **k: (
+        (_ for _ in ()).throw(RuntimeError("no ldmatrix")) if from_logits else real(*a, **k)))
+    with caplog.at_level("WARNING"):
+        assert runner.precompile_verification() == 4
+    assert not runner.verify_from_logits and "block" in runner._fused_verify
+    assert "verification from logits failed to build (RuntimeError: no ldmatrix)" in caplog.text
+
+    runner.verify_from_logits = True
+    g = torch.Generator().manual_seed(0)
+    B, N, V = 2, 3, runner.vocab_size
+    logits = torch.randn(B * (N + 1), V, generator=g)
+    stats, _ = temperature_softmax_stats(logits, torch.ones(B * (N + 1)))
+    q = torch.softmax(torch.randn(B, N, V, generator=g), -1)
+    drafts = torch.multinomial(q.view(-1, V), 1, generator=g).view(B, N)
+    rest = (drafts, q, torch.full((B,), N), torch.tensor([5, 6]), torch.tensor([10, 20]))
+
+    def fails(*a, target_stats=None, **k):
+        if target_stats is not None:
+            raise RuntimeError("no such instruction")
+        return rejection.verify_block_triton(*a, **k)
+
+    monkeypatch.setitem(runner._fused_verify, "block", fails)
+    got = runner._verify_probabilistic("block", logits.view(B, N + 1, V), *rest, target_stats=stats.view(B, N + 1, 3))
+    assert not runner.verify_from_logits and "block" in runner._fused_verify
+    want = verify_probabilistic(probs_from_stats(logits, stats).view(B, N + 1, V), *rest, method="block")
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
