@@ -95,6 +95,10 @@ VERIFY_GREEDY, VERIFY_SAMPLED, VERIFY_FILTERED = 0, 1, 2
 # probabilities (kernels/rejection.py, "From logits": the same tokens); DSPARK_VERIFY_FROM_LOGITS=0 writes them
 # (the A/B switch).
 VERIFY_FROM_LOGITS = os.environ.get("DSPARK_VERIFY_FROM_LOGITS", "1") != "0"
+# ... in graphs of at least this many rows (B x q). H100, session 55 (kernel_rejection_bench.py --from-logits, 3
+# drafts, CUDA-graph µs of softmax + verification): 128 rows block 64.8 -> 59.8, standard 55.5 -> 45.9; 32 rows block
+# 31.4 -> 33.5 (the stats launch costs more than the write it saves), standard 26.9 -> 25.5.
+VERIFY_FROM_LOGITS_MIN_ROWS = 128
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -350,7 +354,8 @@ class StepGraphs:
                 rep.update(zip(("top_k", "top_p", "min_p"), (x[:B * q] for x in self._neutral_rows)))
             r = self.runner
             method = r.spec.rejection_sample_method
-            if plain and VERIFY_FROM_LOGITS and r.verify_from_logits and method in r._fused_verify:
+            if (plain and VERIFY_FROM_LOGITS and B * q >= VERIFY_FROM_LOGITS_MIN_ROWS and r.verify_from_logits
+                    and method in r._fused_verify):
                 # each row's (t, M, Z) and argmax; the kernel makes every p it reads from the logits
                 from dspark.kernels.softmax import temperature_softmax_stats
 
