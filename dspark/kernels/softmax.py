@@ -213,40 +213,53 @@ def temperature_sample_reference(logits: Tensor, temperature: Tensor | None, see
     return torch.where(t == 0, x.argmax(dim=-1), sampled)
 
 
-def temperature_softmax_argmax(logits: Tensor, temperature: Tensor, *, probs_out: Tensor | None = None,
-                               argmax_out: Tensor | None = None, one_hot_greedy: bool = False,
-                               block_v: int | None = None, num_warps: int | None = None) -> tuple[Tensor, Tensor]:
-    """(probs [R, V] fp32, argmax [R] int64) of ``logits`` [R, V] (fp32, unit column stride; other dtypes are
-    converted) at ``temperature`` [R] (module docstring). ``probs_out`` / ``argmax_out``: tensors to write into
-    (a CUDA graph's buffers). Never reads a device value on the host: capturable."""
+def _row_partials(logits: Tensor, temperature: Tensor, argmax_out: Tensor | None, block_v: int | None,
+                  num_warps: int | None) -> tuple:
+    """The checks and launch A shared by temperature_softmax_argmax / _stats: (logits as [R, V] fp32, temperature
+    [R] fp32, argmax_out, the partials (amax, aidx, zmax, zsum), NT, NT_PAD, BLOCK_V, warps); launch A is skipped
+    for R = 0."""
     logits = _rows_2d(logits)
     R, V = logits.shape
     dev = logits.device
     if temperature.shape != (R,):
         raise ValueError(f"temperature must be [{R}], got shape {tuple(temperature.shape)}")
     temperature = temperature.to(device=dev, dtype=torch.float32)
-    if probs_out is None:
-        probs_out = torch.empty(R, V, dtype=torch.float32, device=dev)
-    elif probs_out.shape != (R, V) or probs_out.dtype != torch.float32 or probs_out.stride(-1) != 1:
-        raise ValueError(f"probs_out must be a float32 {(R, V)} tensor with unit column stride")
     if argmax_out is None:
         argmax_out = torch.empty(R, dtype=torch.int64, device=dev)
     elif argmax_out.shape != (R,) or argmax_out.dtype != torch.int64:
         raise ValueError(f"argmax_out must be an int64 ({R},) tensor")
-    if R == 0:
-        return probs_out, argmax_out
     tile_v, warps = TILE_CUDA if logits.is_cuda else TILE_CPU
-    block_v = block_v or tile_v
+    block_v, warps = block_v or tile_v, num_warps or warps
     nt = triton.cdiv(V, block_v)
     nt_pad = next_pow2(nt)
     f32 = dict(dtype=torch.float32, device=dev)
     amax, zmax, zsum = (torch.empty(R, nt_pad, **f32) for _ in range(3))
     aidx = torch.empty(R, nt_pad, dtype=torch.int32, device=dev)
-    _partials_kernel[(R, nt)](logits, logits.stride(0), temperature, amax, aidx, zmax, zsum, V, NT_PAD=nt_pad,
-                              BLOCK_V=block_v, num_warps=num_warps or warps)
-    _probs_kernel[(R, nt)](logits, logits.stride(0), temperature, amax, aidx, zmax, zsum, probs_out,
-                           probs_out.stride(0), argmax_out, V, nt, NT_PAD=nt_pad, BLOCK_V=block_v,
-                           ONE_HOT_GREEDY=one_hot_greedy, num_warps=num_warps or warps)
+    if R:
+        _partials_kernel[(R, nt)](logits, logits.stride(0), temperature, amax, aidx, zmax, zsum, V, NT_PAD=nt_pad,
+                                  BLOCK_V=block_v, num_warps=warps)
+    return logits, temperature, argmax_out, (amax, aidx, zmax, zsum), nt, nt_pad, block_v, warps
+
+
+def temperature_softmax_argmax(logits: Tensor, temperature: Tensor, *, probs_out: Tensor | None = None,
+                               argmax_out: Tensor | None = None, one_hot_greedy: bool = False,
+                               block_v: int | None = None, num_warps: int | None = None) -> tuple[Tensor, Tensor]:
+    """(probs [R, V] fp32, argmax [R] int64) of ``logits`` [R, V] (fp32, unit column stride; other dtypes are
+    converted) at ``temperature`` [R] (module docstring). ``probs_out`` / ``argmax_out``: tensors to write into
+    (a CUDA graph's buffers). Never reads a device value on the host: capturable."""
+    logits = _rows_2d(logits)  # (once: _row_partials' own call is then a no-op)
+    R, V = logits.shape
+    if probs_out is not None and (probs_out.shape != (R, V) or probs_out.dtype != torch.float32
+                                  or probs_out.stride(-1) != 1):
+        raise ValueError(f"probs_out must be a float32 {(R, V)} tensor with unit column stride")
+    logits, temperature, argmax_out, parts, nt, nt_pad, block_v, warps = _row_partials(
+        logits, temperature, argmax_out, block_v, num_warps)
+    if probs_out is None:
+        probs_out = torch.empty(R, V, dtype=torch.float32, device=logits.device)
+    if R == 0:
+        return probs_out, argmax_out
+    _probs_kernel[(R, nt)](logits, logits.stride(0), temperature, *parts, probs_out, probs_out.stride(0), argmax_out,
+                           V, nt, NT_PAD=nt_pad, BLOCK_V=block_v, ONE_HOT_GREEDY=one_hot_greedy, num_warps=warps)
     return probs_out, argmax_out
 
 
@@ -273,32 +286,19 @@ def temperature_softmax_stats(logits: Tensor, temperature: Tensor, *, stats_out:
     (kernels/rejection.py ``target_stats``): launch A, then one small program per row in place of launch B's
     write of every probability. Capturable, as ``temperature_softmax_argmax``."""
     logits = _rows_2d(logits)
-    R, V = logits.shape
-    dev = logits.device
-    if temperature.shape != (R,):
-        raise ValueError(f"temperature must be [{R}], got shape {tuple(temperature.shape)}")
-    temperature = temperature.to(device=dev, dtype=torch.float32)
-    if stats_out is None:
-        stats_out = torch.empty(R, 3, dtype=torch.float32, device=dev)
-    elif stats_out.shape != (R, 3) or stats_out.dtype != torch.float32 or not stats_out.is_contiguous():
+    R = logits.shape[0]
+    if stats_out is not None and (stats_out.shape != (R, 3) or stats_out.dtype != torch.float32
+                                  or not stats_out.is_contiguous()):
         raise ValueError(f"stats_out must be a contiguous float32 {(R, 3)} tensor")
-    if argmax_out is None:
-        argmax_out = torch.empty(R, dtype=torch.int64, device=dev)
-    elif argmax_out.shape != (R,) or argmax_out.dtype != torch.int64:
-        raise ValueError(f"argmax_out must be an int64 ({R},) tensor")
-    if R == 0:
-        return stats_out, argmax_out
-    block_v, warps = TILE_CUDA if logits.is_cuda else TILE_CPU
-    nt = triton.cdiv(V, block_v)
-    nt_pad = next_pow2(nt)
-    f32 = dict(dtype=torch.float32, device=dev)
-    amax, zmax, zsum = (torch.empty(R, nt_pad, **f32) for _ in range(3))
-    aidx = torch.empty(R, nt_pad, dtype=torch.int32, device=dev)
-    _partials_kernel[(R, nt)](logits, logits.stride(0), temperature, amax, aidx, zmax, zsum, V, NT_PAD=nt_pad,
-                              BLOCK_V=block_v, num_warps=warps)
-    # the warps of _probs_kernel's launch: its reductions of the partials, laid out alike
-    _stats_kernel[(R,)](temperature, amax, aidx, zmax, zsum, stats_out, argmax_out, nt, NT_PAD=nt_pad,
-                        num_warps=warps)
+    # launch A as temperature_softmax_argmax's (the same tile), so the same partials
+    logits, temperature, argmax_out, parts, nt, nt_pad, _, warps = _row_partials(logits, temperature, argmax_out,
+                                                                                  None, None)
+    if stats_out is None:
+        stats_out = torch.empty(R, 3, dtype=torch.float32, device=logits.device)
+    if R:  # with _probs_kernel's warps: its reductions of the partials, laid out alike
+        amax, aidx, zmax, zsum = parts
+        _stats_kernel[(R,)](temperature, amax, aidx, zmax, zsum, stats_out, argmax_out, nt, NT_PAD=nt_pad,
+                            num_warps=warps)
     return stats_out, argmax_out
 
 
