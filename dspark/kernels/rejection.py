@@ -58,9 +58,11 @@ A sampled batch's verification in the CUDA graphs (engine/cuda_graphs.py ``_veri
 only) passes the target's fp32 logits with each row's (t, M, Z) (``target_stats``, from
 softmax.temperature_softmax_stats) instead of probabilities: every read of p_i(x) — the gathered p_i(X_i), the
 mass tiles, the final token's tiles — computes exp(div_rn(x, t) - M) / Z, softmax._probs_kernel's own ops on its
-own values, so p and the tokens are those of the written probabilities, bit for bit. What it saves: the write
-of [B, N+1, V] fp32 (softmax's second launch, ~12 µs of the batch-32 step on an H100, session 54) for an
-exponential per element read. FROM_LOGITS doubles the compiled variants.
+own values, so p and the tokens are those of the written probabilities, bit for bit (also on an H100, session 55).
+It trades the write of [B, N+1, V] fp32 (softmax's second launch) for a small per-row launch and an exponential per
+element read: softmax + verification at 128 rows (batch 32, 3 drafts) block 64.8 -> 59.8 µs, standard 55.5 -> 45.9,
+but at 32 rows block 31.4 -> 33.5 (H100, session 55), so the engine uses it from 128 rows
+(cuda_graphs.VERIFY_FROM_LOGITS_MIN_ROWS). FROM_LOGITS doubles the compiled variants.
 
 Compiled variants
 -----------------
