@@ -75,16 +75,23 @@ def _partials_kernel(x_ptr, stride_x, t_ptr, amax_ptr, aidx_ptr, zmax_ptr, zsum_
 
 
 @triton.jit
-def _probs_kernel(x_ptr, stride_x, t_ptr, amax_ptr, aidx_ptr, zmax_ptr, zsum_ptr, q_ptr, stride_q, am_ptr, V, NT,
-                  NT_PAD: tl.constexpr, BLOCK_V: tl.constexpr, ONE_HOT_GREEDY: tl.constexpr):
-    b = tl.program_id(0)
-    t = tl.program_id(1)
+def _row_max_sum(zmax_ptr, zsum_ptr, b, NT, NT_PAD: tl.constexpr):
+    """Row b's M = max(z) and Z = Σ exp(z - M) from launch A's tile partials. One helper for _probs_kernel and
+    _stats_kernel, so that both reduce with the same code (the same bits: "From logits" in kernels/rejection.py)."""
     tt = tl.arange(0, NT_PAD)
     tm = tt < NT
     mz = tl.load(zmax_ptr + b * NT_PAD + tt, mask=tm, other=_NEG_INF)
     se = tl.load(zsum_ptr + b * NT_PAD + tt, mask=tm, other=0.0)
     M = tl.max(mz, 0)
-    Z = tl.sum(tl.where(tm, se * tl.exp(mz - M), 0.0), 0)
+    return M, tl.sum(tl.where(tm, se * tl.exp(mz - M), 0.0), 0)
+
+
+@triton.jit
+def _probs_kernel(x_ptr, stride_x, t_ptr, amax_ptr, aidx_ptr, zmax_ptr, zsum_ptr, q_ptr, stride_q, am_ptr, V, NT,
+                  NT_PAD: tl.constexpr, BLOCK_V: tl.constexpr, ONE_HOT_GREEDY: tl.constexpr):
+    b = tl.program_id(0)
+    t = tl.program_id(1)
+    M, Z = _row_max_sum(zmax_ptr, zsum_ptr, b, NT, NT_PAD)
     arg = _first_argmax(amax_ptr + b * NT_PAD, aidx_ptr + b * NT_PAD, NT, NT_PAD)  # the row's first arg-max
     cols = t * BLOCK_V + tl.arange(0, BLOCK_V)
     cm = cols < V
@@ -104,15 +111,10 @@ def _probs_kernel(x_ptr, stride_x, t_ptr, amax_ptr, aidx_ptr, zmax_ptr, zsum_ptr
 @triton.jit
 def _stats_kernel(t_ptr, amax_ptr, aidx_ptr, zmax_ptr, zsum_ptr, st_ptr, am_ptr, NT, NT_PAD: tl.constexpr):
     """Row b's (t, M, Z) and arg-max from launch A's partials: the values _probs_kernel reduces in each of
-    its programs (the same code on the same partials, hence the same bits), so exp(x / t - M) / Z made
+    its programs (_row_max_sum on the same partials, hence the same bits), so exp(x / t - M) / Z made
     elsewhere from them is _probs_kernel's probability to the bit."""
     b = tl.program_id(0)
-    tt = tl.arange(0, NT_PAD)
-    tm = tt < NT
-    mz = tl.load(zmax_ptr + b * NT_PAD + tt, mask=tm, other=_NEG_INF)
-    se = tl.load(zsum_ptr + b * NT_PAD + tt, mask=tm, other=0.0)
-    M = tl.max(mz, 0)
-    Z = tl.sum(tl.where(tm, se * tl.exp(mz - M), 0.0), 0)
+    M, Z = _row_max_sum(zmax_ptr, zsum_ptr, b, NT, NT_PAD)
     temp = tl.load(t_ptr + b)
     tl.store(st_ptr + 3 * b, tl.where(temp == 0.0, 1.0, temp))
     tl.store(st_ptr + 3 * b + 1, M)
