@@ -240,9 +240,8 @@ class StepGraphs:
             no_penalties=True, max_top_k=V,
         )
         if self.draft_graphs:
-            # the drafter's top-k / top-p / min-p: none (sampler.draft_params); the uploaded ones are verification's
-            self._draft_filters = (torch.full((Bm,), V, **i64), torch.ones(Bm, **f32), torch.zeros(Bm, **f32))
-            # VERIFY_SAMPLED's rows: top-k, top-p, min-p that filter nothing (_verify_step)
+            # top-k, top-p, min-p that filter nothing, never written: the drafter's first Bm rows (sampler.draft_params;
+            # the uploaded ones are verification's) and VERIFY_SAMPLED's B x q rows (_verify_step)
             self._neutral_rows = (torch.full((Tm,), V, **i64), torch.ones(Tm, **f32), torch.zeros(Tm, **f32))
         self.s_out = torch.zeros(Bm, **i64)  # a sampling graph's tokens (a fixed buffer: see v_out)
         self.target: dict[tuple[int, int], _Captured] = {}
@@ -305,7 +304,7 @@ class StepGraphs:
         p = self.runner.proposer
         T = B * self.q
         p.write_context(self.taps[:T], self.positions[:T], self.slot_mapping[:T], valid=self.valid[:T])
-        top_k, top_p, min_p = (t[:B] for t in self._draft_filters)
+        top_k, top_p, min_p = (t[:B] for t in self._neutral_rows)
         # the drafts' settings are a temperature only (neutral filters): the fused sampler's one-launch slots
         batch = self._rows(B, top_k=top_k, top_p=top_p, min_p=min_p, all_greedy=not prob, no_top_k=True,
                            no_top_p=True, no_min_p=True, max_top_k=0)
