@@ -122,12 +122,14 @@ def profile_system(llm: LLM, prompts: list[list[int]], batch: int, max_tokens: i
     # host timers: wall time inside these functions (an async step's finish_one_sync includes waiting for
     # the device, i.e. the GPU-bound share); nested ones are counted in their callers too
     timers: dict[str, float] = defaultdict(float)
+    # (the graphs' methods on their class: DSpark has a set of graphs per verification length)
+    G = type(runner.graphs) if runner.graphs is not None else None
     timed = [(runner, "launch_one_sync"), (runner, "finish_one_sync"), (engine.scheduler, "schedule_on_top"),
              (engine.scheduler, "update"), (engine.scheduler, "schedule"), (engine, "_apply"), (engine, "_outputs"),
-             (runner.graphs, "prepare_target"), (runner.graphs, "prepare_sampling"), (runner.graphs, "upload"),
-             (runner.graphs, "rows_from_previous_step"), (runner.graphs, "drafter_inputs_on_device"),
-             (runner.graphs, "replay_target"), (runner.graphs, "replay_draft"), (runner, "_sampling_batch"),
-             (runner.graphs, "replay_verify"), (runner, "_prefill_outcome"), (engine.kv, "truncate")]
+             (G, "prepare_target"), (G, "prepare_sampling"), (G, "upload"), (G, "flip"),
+             (G, "rows_from_previous_step"), (G, "drafter_inputs_on_device"), (G, "set_verify_q"),
+             (G, "replay_target"), (G, "replay_draft"), (runner, "_sampling_batch"), (runner, "_index"),
+             (runner, "_copy_back"), (G, "replay_verify"), (runner, "_prefill_outcome"), (engine.kv, "truncate")]
     originals = []
     for obj, name in timed:
         if obj is None or not hasattr(obj, name):
@@ -295,7 +297,8 @@ def segments(llm: LLM, prompts: list[list[int]], max_tokens: int, temperature: f
     has, so the time between two consecutive events is that piece's device time **plus any time the GPU
     waited for the host to queue it** (the host's Python between the pieces of a launch, once the GPU has
     caught up). Per kind of launch: mean and median ms per piece, in launch order; ``before`` is the GPU's
-    idle time between the previous step's end and this step's first event. Only on CUDA."""
+    idle time between the previous step's end and this step's first event; ``host_ms``: the host's mean wall
+    time from one mark to the next. Only on CUDA."""
     engine, runner = llm.engine, llm.engine.runner
     G = runner.graphs
     cur: list | None = None
@@ -304,7 +307,7 @@ def segments(llm: LLM, prompts: list[list[int]], max_tokens: int, temperature: f
     def mark(label: str) -> None:
         e = torch.cuda.Event(enable_timing=True)
         e.record()
-        cur.append((label, e))
+        cur.append((label, e, time.perf_counter()))
 
     hooked = []
 
@@ -321,9 +324,10 @@ def segments(llm: LLM, prompts: list[list[int]], max_tokens: int, temperature: f
         setattr(obj, name, call)
         hooked.append((obj, name))
 
-    for name in ("upload", "rows_from_previous_step", "replay_target", "replay_verify", "replay_sample",
-                 "drafter_inputs_on_device", "replay_draft"):
-        hook(G, name)
+    for g in {id(g): g for g in (G, *runner.graph_sets.values())}.values():  # every verification length's set
+        for name in ("upload", "rows_from_previous_step", "replay_target", "set_verify_q", "replay_verify",
+                     "replay_sample", "drafter_inputs_on_device", "replay_draft"):
+            hook(g, name)
     hook(runner, "_copy_back")
 
     def launcher(name: str):
@@ -350,10 +354,11 @@ def segments(llm: LLM, prompts: list[list[int]], max_tokens: int, temperature: f
         for obj, name in hooked:
             delattr(obj, name)  # the class's method again
     by: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    host: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     order: dict[str, list[str]] = {}
     prev_end = None
     for kind, marks in steps:
-        t = [marks[0][1].elapsed_time(e) for _, e in marks]
+        t = [marks[0][1].elapsed_time(e) for _, e, _ in marks]
         if prev_end is not None:
             by[kind]["before"].append(max(0.0, prev_end.elapsed_time(marks[0][1])))
         labels = []
@@ -363,13 +368,16 @@ def segments(llm: LLM, prompts: list[list[int]], max_tokens: int, temperature: f
                 label += "'"
             labels.append(label)
             by[kind][label].append(t[i] - t[i - 1])
+            host[kind][label].append(1e3 * (marks[i][2] - marks[i - 1][2]))
         order.setdefault(kind, ["before"] + labels)
         prev_end = marks[-1][1]
     res = {}
     for kind, pieces in by.items():
         n = len(pieces[order[kind][1]])
         res[kind] = {"steps": n, "ms": {lab: {"mean": round(sum(v) / len(v), 4), "median": round(sorted(v)[len(v) // 2], 4)}
-                                       for lab in order[kind] if (v := pieces.get(lab))}}
+                                       for lab in order[kind] if (v := pieces.get(lab))},
+                     # the host's wall time from the previous mark to this one (its Python and CUDA calls)
+                     "host_ms": {lab: round(sum(v) / len(v), 4) for lab in order[kind] if (v := host[kind].get(lab))}}
     n = sum(len(o.token_ids) for o in outs)
     return {"tokens": n, "wall_s": round(wall, 3), "tok_s": round(n / wall, 1), "launches": res}
 

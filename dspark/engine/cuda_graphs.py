@@ -688,14 +688,19 @@ class StepGraphs:
         self.stats["sample"] += 1
         return out
 
-    def set_verify_q(self, rows: list[int], dq: torch.Tensor, index: torch.Tensor | None = None) -> None:
-        """Write the sampled requests' draft q [S, >= N, V] to their graph rows ``rows`` of ``vq``
-        (``index``: those rows on the device, when they are not 0..S-1)."""
-        n = self.n_spec
+    def set_verify_q(self, rows: list[int], dq: torch.Tensor, index: torch.Tensor | None = None,
+                     src: torch.Tensor | None = None) -> None:
+        """Write the sampled requests' draft q to their graph rows ``rows`` of ``vq`` (``index``: those
+        rows on the device, when they are not 0..S-1): the rows ``src`` of ``dq`` [>= S, >= N, V] (a device
+        index; None: its first S rows). One copy, whatever the rows."""
+        n, S = self.n_spec, len(rows)
         if index is None:
-            self.vq[:len(rows)].copy_(dq[:, :n])
+            if src is None:
+                self.vq[:S].copy_(dq[:S, :n])
+            else:
+                torch.index_select(dq[:, :n], 0, src, out=self.vq[:S])
         else:
-            self.vq[index] = dq[:, :n]
+            self.vq[index] = dq[:S, :n] if src is None else dq[src, :n]
 
     def bucket_for(self, context: int) -> int | None:
         """The context bucket a step whose longest request reaches ``context`` tokens replays."""

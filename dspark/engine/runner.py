@@ -40,6 +40,11 @@ from dspark.spec.rejection import verify_greedy, verify_probabilistic
 
 logger = logging.getLogger(__name__)
 
+# A one-sync step's draft q is a view of the drafter graph's q buffer (launch_one_sync, session 56);
+# DSPARK_DRAFT_Q_CLONE=1 clones it after the drafter graph as before (an 18.9 MB copy per batch-32 step at
+# 3 drafts: the A/B switch).
+DRAFT_Q_CLONE = os.environ.get("DSPARK_DRAFT_Q_CLONE", "0") == "1"
+
 
 @dataclass
 class StepResult:
@@ -65,12 +70,15 @@ class InflightStep:
     # one-sync steps (launch_one_sync): what the next step's rows are derived from on the device
     n_out: torch.Tensor | None = None  # [B] tokens emitted per request (accepted drafts + 1): tokens[b, :n_out[b]]
     drafts: torch.Tensor | None = None  # [B, N] the drafts made from each request's last emitted token
-    draft_q: torch.Tensor | None = None  # [B, N, V] their q (probabilistic drafts of sampled requests)
+    # [B, N, V] their q (probabilistic drafts of sampled requests): a view of the drafter graph's q buffer
+    # (StepGraphs.probs), valid until that buffer's next drafter replay (ModelRunner._keep_draft_q)
+    draft_q: torch.Tensor | None = None
     prob: list[bool] | None = None  # which requests drafted probabilistically
     # steps with prefill rows (StepGraphs.row_counts): each request's graph row whose outcome is its own
     # (a prefill chunk's last row) and the rows in use; None: request b is row b
     rows: list[int] | None = None
     num_rows: int | None = None
+    followed: bool = False  # a step was launched on top of this one (it verifies every draft made here)
 
 
 def make_attention_backend(name: str, device: torch.device, batch_invariant: bool = False,
@@ -569,17 +577,22 @@ class ModelRunner:
         batch_pre = (self._sampling_batch([reqs[b] for b in sampled_pre], [reqs[b].num_tokens for b in sampled_pre])
                      if sampled_pre else None)
         G.upload(Bg)
-        dq = None  # the sampled requests' q of their drafts: from draft_probs, unless prev is in flight
+        # the sampled requests' q of their drafts: from draft_probs, unless prev is in flight (then prev's
+        # q buffer at rows dq_rows, or one-hot q of greedy drafts)
+        dq = dq_rows = None
         if prev is not None:
+            prev.followed = True
             Bc = len(prev_rows)
             G.rows_from_previous_step(Bc, prev.n_out, prev.tokens, prev.drafts,
                                       None if prev_rows == list(range(Bc)) else self._index(prev_rows))
             if sampled:  # prev's rows of the sampled requests (all on top): the host has not read it yet
                 rows = [prev_rows[b] for b in sampled]
-                idx = slice(0, len(rows)) if rows == list(range(len(rows))) else self._index(rows)
-                d = prev.drafts[idx]
-                dq = (prev.draft_q[idx] if prev.draft_q is not None  # else drafted greedily: one-hot
-                      else _one_hot_q(d, self.vocab_size))
+                whole = rows == list(range(len(rows)))
+                if prev.draft_q is not None:  # G.probs, outside the graph pool: read after the target graph
+                    dq, dq_rows = prev.draft_q, None if whole else self._index(rows)
+                else:  # drafted greedily: one-hot, made now (prev.drafts may be the target graph's scratch)
+                    dq = _one_hot_q(prev.drafts[:len(rows)] if whole else prev.drafts[self._index(rows)],
+                                    self.vocab_size)
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)] if self.device.type == "cuda" else None
         if ev:
             ev[0].record()
@@ -594,7 +607,7 @@ class ModelRunner:
                 if dq is None:
                     d = drafts_in[:len(srows)] if whole else drafts_in[index]
                     dq = self._draft_q([reqs[b] for b in sampled], d, q - 1, V)
-                G.set_verify_q(srows, dq, index)
+                G.set_verify_q(srows, dq, index, dq_rows)
             out, n_out, am = G.replay_verify(Bg, kind)
             out, n_out, am = out[:R], n_out[:R], am[:R]
             if prefill:
@@ -607,6 +620,8 @@ class ModelRunner:
             ev[1].record()
         drafts = draft_q = None
         if G.draft_graphs:
+            if prev is None and self.draft_probs:
+                self._keep_draft_q(G.probs, {reqs[b].request_id for b in sampled if scheduled[b].num_spec_tokens})
             G.drafter_inputs_on_device(Bg, out, n_out, commit)
             tokens, probs = G.replay_draft(Bg, bucket, any(prob))
             parts.append(tokens[:R].reshape(-1))
@@ -615,11 +630,15 @@ class ModelRunner:
             # one-hot q of its sampled requests), which reads them before its own target graph — which may
             # use the drafter graph's output memory as scratch — and before its drafter graph rewrites
             # them, in stream order. (That step takes each anchor from ``out``, this step's emitted tokens,
-            # not from G.anchors, which its upload rewrites first.) draft_q is cloned: draft_probs keeps it
-            # for a verification that may come steps later.
+            # not from G.anchors, which its upload rewrites first.) Nor is draft_q (session 56: one 18.9 MB
+            # copy fewer per batch-32 step): it is G.probs, a buffer outside the graph pool that only the
+            # drafter graph writes; its readers are the step on top (set_verify_q, before that step's
+            # drafter graph) or, when none follows, draft_probs, whose entries a later step still needing
+            # them clones before it replays the drafter (_keep_draft_q).
             drafts = tokens[:R]
             if any(prob):
-                draft_q = probs[:R].clone()
+                shared = probs.data_ptr() == G.probs.data_ptr() and not DRAFT_Q_CLONE
+                draft_q = probs[:R] if shared else probs[:R].clone()
         if ev:
             ev[2].record()
         flat = torch.cat(parts)
@@ -703,7 +722,7 @@ class ModelRunner:
                 n = self._num_drafts(r, len(emitted))
                 if n > 0:
                     result.drafts[r.request_id] = drafts[b * N:b * N + n]
-                    if step.prob[i]:
+                    if step.prob[i] and not step.followed:  # else the step on top verified them
                         self.draft_probs[r.request_id] = (step.draft_q, b)
         ev = step.timing
         if ev:
@@ -919,6 +938,22 @@ class ModelRunner:
         if self.device.type != "cuda":
             return t
         return t.pin_memory().to(self.device, non_blocking=True)
+
+    def _keep_draft_q(self, buf: torch.Tensor, verified: set[str]) -> None:
+        """Before a drafter graph rewrites its q buffer ``buf`` in a step launched with nothing in flight:
+        clone the q of draft_probs entries still in it whose requests this step does not verify (their
+        drafts wait for a later step: not scheduled now). A step launched on top of another needs none:
+        every request of the step below still running is on top (Scheduler.schedule_on_top), and every
+        older entry was kept here when its step's successor was launched."""
+        lo = buf.data_ptr()
+        hi = lo + buf.numel() * buf.element_size()
+        kept: dict[int, torch.Tensor] = {}
+        for rid, (t, b) in self.draft_probs.items():
+            if rid not in verified and lo <= t.data_ptr() < hi:
+                c = kept.get(id(t))
+                if c is None:
+                    c = kept[id(t)] = t.clone()
+                self.draft_probs[rid] = (c, b)
 
     def _draft_q(self, preqs: list[Request], drafts: torch.Tensor, N: int, V: int) -> torch.Tensor:
         """[P, N, V] q of each request's pending drafts: the rows of the proposals they came from

@@ -125,3 +125,41 @@ def test_draft_q_shares_the_proposal_when_rows_are_in_order():
     q2 = runner._draft_q([R("b"), R("a"), R("x")], drafts, 4, 10)  # out of order, one greedy request
     assert torch.equal(q2[0], src[1]) and torch.equal(q2[1], src[0])
     assert torch.equal(q2[2], torch.nn.functional.one_hot(drafts[2], 10).float())
+
+
+def test_keep_draft_q_clones_only_the_entries_a_later_step_still_reads():
+    """The drafter graph's q buffer is shared by every step (draft_q is a view of it, session 56): before a
+    step launched with nothing in flight rewrites it, the draft_probs entries in it whose requests that
+    step does not verify get their own copy (one per source), the verified ones and entries elsewhere
+    stay as they are."""
+    from dspark.engine.runner import ModelRunner
+
+    runner = ModelRunner.__new__(ModelRunner)
+    buf = torch.rand(4, 3, 10)
+    other = torch.rand(2, 3, 10)
+    view = buf[:3]
+    runner.draft_probs = {"a": (view, 0), "b": (view, 1), "c": (view, 2), "d": (other, 1)}
+    want = {k: t[b].clone() for k, (t, b) in runner.draft_probs.items()}
+    runner._keep_draft_q(buf, {"a"})
+    assert runner.draft_probs["a"][0] is view and runner.draft_probs["d"][0] is other
+    kept_b, kept_c = runner.draft_probs["b"][0], runner.draft_probs["c"][0]
+    assert kept_b is kept_c and kept_b.data_ptr() != buf.data_ptr()  # one copy, out of the buffer
+    buf.fill_(-1.0)  # the drafter graph's next replay
+    assert torch.equal(runner.draft_probs["b"][0][1], want["b"]) and torch.equal(kept_c[2], want["c"])
+    assert torch.equal(runner.draft_probs["d"][0][1], want["d"])
+
+
+@pytest.mark.parametrize("rows,src", [([0, 1], None), ([0, 1], [2, 0]), ([1, 3], None), ([3, 0], [1, 2])])
+def test_set_verify_q_writes_the_source_rows_to_the_graph_rows(rows, src):
+    """StepGraphs.set_verify_q: rows ``src`` of q (default: the first S) land at graph rows ``rows`` of vq,
+    in one copy whatever the rows; rows no request verifies keep their values."""
+    g = cuda_graphs.StepGraphs.__new__(cuda_graphs.StepGraphs)
+    g.n_spec = 3
+    g.vq = torch.zeros(4, 3, 10)
+    dq = torch.rand(3, 5, 10)  # more drafts than the graph verifies: the first n_spec are read
+    index = None if rows == list(range(len(rows))) else torch.tensor(rows)
+    g.set_verify_q(rows, dq, index, None if src is None else torch.tensor(src))
+    want = torch.zeros(4, 3, 10)
+    for j, r in enumerate(rows):
+        want[r] = dq[j if src is None else src[j], :3]
+    assert torch.equal(g.vq, want)
