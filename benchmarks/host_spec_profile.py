@@ -91,7 +91,7 @@ def fake_device(llm: LLM, seed: int = 0) -> None:
             replay_target, replay_verify, replay_draft, replay_sample)
         G.rows_from_previous_step = lambda *a, **k: None
         G.drafter_inputs_on_device = lambda *a, **k: None
-        G.set_verify_q = lambda *a, **k: None
+        G.stage_q = lambda *a, **k: None
 
 
 def _is_engine_code(fn: tuple) -> bool:

@@ -168,7 +168,7 @@ class StepGraphs:
         pin = dev.type == "cuda"
         # Device inputs, packed by type, from pinned host twins (the numpy views ``_h*``):
         #   ints  [input ids (Tm) | positions (Tm) | slots (Tm) | anchors (Bm) | anchor pos (Bm) | top-k (Bm)
-        #          | seeds (Bm) | drafts to verify (Bm) | tokens before the step (Bm)]
+        #          | seeds (Bm) | drafts to verify (Bm) | tokens before the step (Bm) | each row's q row (Bm)]
         #   floats [temperature (Bm) | top-p (Bm) | min-p (Bm)]     flags [valid rows (Tm) | probabilistic (Bm)]
         # and all five are views of one byte buffer, block tables last, so that a whole step's inputs go
         # over in **one** host->device copy (``upload``: the bytes up to the batch's last block-table row).
@@ -176,7 +176,7 @@ class StepGraphs:
         # (session 37, CUDA events between the pieces of a batch-1 step: 5-12 µs for each small copy or
         # kernel outside the graphs), and ~10 µs of the host's time; a DSpark step queued five of them.
         shapes = [(torch.float32, (3 * Bm,)), (torch.int32, (Bm,)), (torch.bool, (Tm + Bm,)),
-                  (torch.int64, (3 * Tm + 6 * Bm,)), (torch.int64, (Bm, self.width))]
+                  (torch.int64, (3 * Tm + 7 * Bm,)), (torch.int64, (Bm, self.width))]
         offsets, n = [], 0
         for dt, shape in shapes:
             offsets.append(n)
@@ -207,8 +207,8 @@ class StepGraphs:
         # so their ids stay theirs): a step with the same rows, requests and flags skips the rewrite
         self._sampling_written: list[tuple | None] = [None, None]
         self.input_ids, self.positions, self.slot_mapping = (self.ints[i * Tm:(i + 1) * Tm] for i in range(3))
-        (self.anchors, self.anchor_pos, top_k, seeds, self.num_drafts,
-         self.num_tokens) = (self.ints[3 * Tm + i * Bm:3 * Tm + (i + 1) * Bm] for i in range(6))
+        (self.anchors, self.anchor_pos, top_k, seeds, self.num_drafts, self.num_tokens,
+         self.q_rows) = (self.ints[3 * Tm + i * Bm:3 * Tm + (i + 1) * Bm] for i in range(7))
         temperature, top_p, min_p = (self.floats[i * Bm:(i + 1) * Bm] for i in range(3))
         self.valid, self.prob_mask = self.flags[:Tm], self.flags[Tm:]
         self.query_start_loc = (torch.arange(Bm + 1, dtype=torch.int32) * q).to(dev)
@@ -216,10 +216,12 @@ class StepGraphs:
         # Outputs every graph of a kind shares (a graph's other outputs are small): the target's fp32
         # logits and the drafts' q. Each is read before the next replay of its kind (stream order).
         self.logits = torch.empty(Tm, V, **f32)
-        self.probs = torch.empty(Bm, self.n_spec, V, **f32) if self.draft_graphs else None
-        # The q of the drafts a sampled verification graph checks, written by the runner before the replay
-        # (set_verify_q); rows of greedy and padding requests hold stale values that are never read.
-        self.vq = torch.zeros(Bm, self.n_spec, V, **f32) if self.draft_graphs else None
+        # The drafts' q: the drafter graph writes rows [0, Bg), outside the graph pool; a sampled verification
+        # graph reads graph row b's q at row q_rows[b] (session 56: where the drafter wrote it, no copy; rows
+        # [Bm, 2 Bm) take the q of drafts from elsewhere, stage_q). Rows no sampled request reads hold stale
+        # values (in bounds: every q_rows value written is).
+        self.probs = torch.zeros(2 * Bm, self.n_spec, V, **f32) if self.draft_graphs else None
+        self.staged = Bm  # stage_q's first row
         # Verification's outputs (tokens, emitted counts, argmax) in fixed buffers, not in the graph pool: the
         # drafter graph replays between the verification and the read of its outputs (the step's read-back,
         # the next step's rows_from_previous_step), and a graph captured before another one uses the
@@ -361,8 +363,8 @@ class StepGraphs:
                 stats, am = temperature_softmax_stats(logits.reshape(-1, V), rep["temperature"])
                 am = am.view(B, q)
                 out, n_out = verify_greedy_rows(am, drafts, nd)
-                o, n = r._verify_probabilistic(method, logits, drafts, self.vq[:B], nd, s.seeds, self.num_tokens[:B],
-                                               target_stats=stats.view(B, q, 3))
+                o, n = r._verify_probabilistic(method, logits, drafts, self.probs, nd, s.seeds, self.num_tokens[:B],
+                                               target_stats=stats.view(B, q, 3), draft_rows=self.q_rows[:B])
             else:
                 rows = replace(s, **rep, positions=self.num_tokens[:B], all_random=True, no_top_k=plain,
                                no_top_p=plain, no_min_p=plain)
@@ -370,7 +372,8 @@ class StepGraphs:
                 probs, am = r.sampler.probs_argmax(logits.reshape(-1, V), rows)
                 probs, am = probs.view(B, q, V), am.view(B, q)
                 out, n_out = verify_greedy_rows(am, drafts, nd)
-                o, n = r._verify_probabilistic(method, probs, drafts, self.vq[:B], nd, s.seeds, self.num_tokens[:B])
+                o, n = r._verify_probabilistic(method, probs, drafts, self.probs, nd, s.seeds, self.num_tokens[:B],
+                                               draft_rows=self.q_rows[:B])
             pick = t > 0
             outs = (self.v_out[:B], self.v_n[:B], self.v_am[:B])
             torch.where(pick.unsqueeze(1), o, out, out=outs[0])  # straight into the buffers: no copies after
@@ -688,19 +691,16 @@ class StepGraphs:
         self.stats["sample"] += 1
         return out
 
-    def set_verify_q(self, rows: list[int], dq: torch.Tensor, index: torch.Tensor | None = None,
-                     src: torch.Tensor | None = None) -> None:
-        """Write the sampled requests' draft q to their graph rows ``rows`` of ``vq`` (``index``: those
-        rows on the device, when they are not 0..S-1): the rows ``src`` of ``dq`` [>= S, >= N, V] (a device
-        index; None: its first S rows). One copy, whatever the rows."""
-        n, S = self.n_spec, len(rows)
-        if index is None:
-            if src is None:
-                self.vq[:S].copy_(dq[:S, :n])
-            else:
-                torch.index_select(dq[:, :n], 0, src, out=self.vq[:S])
-        else:
-            self.vq[index] = dq[:S, :n] if src is None else dq[src, :n]
+    def write_q_rows(self, rows: list[int], src: list[int]) -> None:
+        """Before ``upload``: graph row rows[j]'s drafts have their q at row src[j] of ``probs`` (the drafter
+        graph's row of the request, or ``staged`` + j after ``stage_q``), read by the sampled verification graph."""
+        off = 3 * self.max_rows + 6 * self.max_batch
+        self._hi[off:off + self.max_batch][rows] = src
+
+    def stage_q(self, dq: torch.Tensor) -> None:
+        """Copy the q [S, >= N, V] of drafts whose q is not in the drafter graph's rows (one-hot q of greedy
+        drafts, a kept copy, another graph set's) to rows ``staged`` + j of ``probs`` (write_q_rows names them)."""
+        self.probs[self.staged:self.staged + len(dq)].copy_(dq[:, :self.n_spec])
 
     def bucket_for(self, context: int) -> int | None:
         """The context bucket a step whose longest request reaches ``context`` tokens replays."""

@@ -40,9 +40,9 @@ from dspark.spec.rejection import verify_greedy, verify_probabilistic
 
 logger = logging.getLogger(__name__)
 
-# A one-sync step's draft q is a view of the drafter graph's q buffer (launch_one_sync, session 56);
-# DSPARK_DRAFT_Q_CLONE=1 clones it after the drafter graph as before (an 18.9 MB copy per batch-32 step at
-# 3 drafts: the A/B switch).
+# A one-sync step's draft q is a view of the drafter graph's q buffer, where the next verification reads it
+# (launch_one_sync, session 56); DSPARK_DRAFT_Q_CLONE=1 clones it after the drafter graph, so that every
+# verification reads a staged copy (two 18.9 MB copies per batch-32 step at 3 drafts, as before: the A/B switch).
 DRAFT_Q_CLONE = os.environ.get("DSPARK_DRAFT_Q_CLONE", "0") == "1"
 
 
@@ -101,6 +101,11 @@ def _one_sync_params(p) -> bool:
 def _one_hot_q(drafts: torch.Tensor, V: int) -> torch.Tensor:
     """[..., V] fp32 q of drafts drawn greedily: one-hot at each draft token."""
     return torch.zeros(*drafts.shape, V, device=drafts.device).scatter_(-1, drafts.unsqueeze(-1), 1.0)
+
+
+def _in_buffer(t: torch.Tensor | None, buf: torch.Tensor) -> bool:
+    """Whether ``t`` is a view of ``buf`` from its first row (a step's draft q in StepGraphs.probs)."""
+    return t is not None and t.data_ptr() == buf.data_ptr()
 
 
 def _whole_blocks(p) -> bool:
@@ -576,38 +581,41 @@ class ModelRunner:
         kind = G.verify_kind(bool(sampled), not all(unfiltered(reqs[b].params, V) for b in sampled))
         batch_pre = (self._sampling_batch([reqs[b] for b in sampled_pre], [reqs[b].num_tokens for b in sampled_pre])
                      if sampled_pre else None)
+        # Where the verification graph reads each sampled request's q (StepGraphs.probs at q_rows): the drafter
+        # graph's row of the request while its q is still there, untouched since (session 56: no copy) — prev's
+        # row (on top; the host has not read prev yet) or the row of its draft_probs entry — else rows
+        # G.staged + j, copied there below (one-hot q of greedy drafts, a kept copy, another graph set's q).
+        staged = False
+        if q > 1 and sampled:
+            srows = [row_of[b] for b in sampled]
+            if prev is not None:
+                src = [prev_rows[b] for b in sampled] if _in_buffer(prev.draft_q, G.probs) else None
+            else:
+                es = [self.draft_probs.get(reqs[b].request_id) for b in sampled]
+                src = [e[1] for e in es] if all(e is not None and _in_buffer(e[0], G.probs) for e in es) else None
+            staged = src is None
+            G.write_q_rows(srows, list(range(G.staged, G.staged + len(srows))) if staged else src)
         G.upload(Bg)
-        # the sampled requests' q of their drafts: from draft_probs, unless prev is in flight (then prev's
-        # q buffer at rows dq_rows, or one-hot q of greedy drafts)
-        dq = dq_rows = None
         if prev is not None:
             prev.followed = True
             Bc = len(prev_rows)
             G.rows_from_previous_step(Bc, prev.n_out, prev.tokens, prev.drafts,
                                       None if prev_rows == list(range(Bc)) else self._index(prev_rows))
-            if sampled:  # prev's rows of the sampled requests (all on top): the host has not read it yet
+        if staged:  # before the target graph, which may use prev.drafts' memory as scratch
+            if prev is not None:
                 rows = [prev_rows[b] for b in sampled]
-                whole = rows == list(range(len(rows)))
-                if prev.draft_q is not None:  # G.probs, outside the graph pool: read after the target graph
-                    dq, dq_rows = prev.draft_q, None if whole else self._index(rows)
-                else:  # drafted greedily: one-hot, made now (prev.drafts may be the target graph's scratch)
-                    dq = _one_hot_q(prev.drafts[:len(rows)] if whole else prev.drafts[self._index(rows)],
-                                    self.vocab_size)
+                idx = slice(0, len(rows)) if rows == list(range(len(rows))) else self._index(rows)
+                dq = prev.draft_q[idx] if prev.draft_q is not None else _one_hot_q(prev.drafts[idx], V)
+            else:
+                d = G.input_ids[:Bg * q].view(Bg, q)[:, 1:][self._index(srows)]
+                dq = self._draft_q([reqs[b] for b in sampled], d, q - 1, V)
+            G.stage_q(dq)
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)] if self.device.type == "cuda" else None
         if ev:
             ev[0].record()
         logits = G.replay_target(Bg, bucket)[:R]  # [R, q, V]
         commit = None
         if q > 1:
-            drafts_in = G.input_ids[:Bg * q].view(Bg, q)[:R, 1:]
-            if sampled:  # the q of their drafts, at their graph rows
-                srows = [row_of[b] for b in sampled]
-                whole = srows == list(range(len(srows)))
-                index = None if whole else self._index(srows)
-                if dq is None:
-                    d = drafts_in[:len(srows)] if whole else drafts_in[index]
-                    dq = self._draft_q([reqs[b] for b in sampled], d, q - 1, V)
-                G.set_verify_q(srows, dq, index, dq_rows)
             out, n_out, am = G.replay_verify(Bg, kind)
             out, n_out, am = out[:R], n_out[:R], am[:R]
             if prefill:
@@ -630,14 +638,15 @@ class ModelRunner:
             # one-hot q of its sampled requests), which reads them before its own target graph — which may
             # use the drafter graph's output memory as scratch — and before its drafter graph rewrites
             # them, in stream order. (That step takes each anchor from ``out``, this step's emitted tokens,
-            # not from G.anchors, which its upload rewrites first.) Nor is draft_q (session 56: one 18.9 MB
-            # copy fewer per batch-32 step): it is G.probs, a buffer outside the graph pool that only the
-            # drafter graph writes; its readers are the step on top (set_verify_q, before that step's
-            # drafter graph) or, when none follows, draft_probs, whose entries a later step still needing
-            # them clones before it replays the drafter (_keep_draft_q).
+            # not from G.anchors, which its upload rewrites first.) Nor is draft_q (session 56: two 18.9 MB
+            # copies fewer per batch-32 step): it is G.probs, a buffer outside the graph pool that only the
+            # drafter graph writes (rows below G.staged); its readers are the verification graph of the step
+            # on top (at q_rows, before that step's drafter graph) or, when none follows, of the next step
+            # through draft_probs, whose entries a step not verifying them copies before it replays the
+            # drafter (_keep_draft_q).
             drafts = tokens[:R]
             if any(prob):
-                shared = probs.data_ptr() == G.probs.data_ptr() and not DRAFT_Q_CLONE
+                shared = _in_buffer(probs, G.probs) and not DRAFT_Q_CLONE
                 draft_q = probs[:R] if shared else probs[:R].clone()
         if ev:
             ev[2].record()
@@ -1032,19 +1041,21 @@ class ModelRunner:
                 and all(_one_sync_params(s.request.params) and (s.request.params.greedy or s.num_spec_tokens > 0)
                         for s in scheduled))
 
-    def _verify_probabilistic(self, method: str, *args: torch.Tensor,
-                              target_stats: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _verify_probabilistic(self, method: str, *args: torch.Tensor, target_stats: torch.Tensor | None = None,
+                              draft_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Verification by ``method`` (SpeculativeConfig.rejection_sample_method) of (probs, drafts, q,
         num_drafts, seeds, positions), through the method's fused kernel when there is one; if it fails
         (a Triton compile error on a GPU it was never run on), warn once and stay on the torch path for
         that method, which gives the same tokens (block: up to a near-tie U_i ≈ h_i, kernels/rejection.py).
         ``target_stats`` [B, N+1, 3]: the first argument holds the target's logits, each row's probabilities
-        given by its (t, M, Z) (softmax.temperature_softmax_stats; the kernel's "From logits")."""
+        given by its (t, M, Z) (softmax.temperature_softmax_stats; the kernel's "From logits"). ``draft_rows`` [B]:
+        request b's q is row draft_rows[b] of the third argument (the kernels' "Draft rows")."""
         kernel = self._fused_verify.get(method)
         if target_stats is not None:
             if kernel is not None and self.verify_from_logits:
                 try:
-                    return kernel(*args, max_drafts=self.num_spec_tokens, target_stats=target_stats)
+                    return kernel(*args, max_drafts=self.num_spec_tokens, target_stats=target_stats,
+                                  draft_rows=draft_rows)
                 except Exception as e:  # noqa: BLE001 (the variant reading probabilities, below, is equivalent)
                     logger.warning("verification from logits failed (%s: %s); verifying from probabilities from now "
                                    "on", type(e).__name__, e)
@@ -1055,9 +1066,11 @@ class ModelRunner:
             args = (probs_from_stats(x.reshape(-1, x.shape[-1]), target_stats.reshape(-1, 3)).view(x.shape), *args[1:])
         if kernel is not None:
             try:  # every N up to the block size on one compiled kernel (kernels/rejection.py, "Compiled variants")
-                return kernel(*args, max_drafts=self.num_spec_tokens)
+                return kernel(*args, max_drafts=self.num_spec_tokens, draft_rows=draft_rows)
             except Exception as e:  # noqa: BLE001 (any compile/launch failure: the torch path is equivalent)
                 self._drop_fused_verify(method, e)
+        if draft_rows is not None:
+            args = (*args[:2], args[2].index_select(0, draft_rows), *args[3:])
         return verify_probabilistic(*args, method=method)
 
     def _drop_fused_verify(self, method: str, error: Exception) -> None:
@@ -1083,9 +1096,17 @@ class ModelRunner:
         except Exception as e:  # noqa: BLE001 (as _verify_probabilistic: the torch path is equivalent)
             self._drop_fused_verify(method, e)
             return 0
+        G = self.graphs
+        if G is not None and G.draft_graphs:  # the verification graphs' variants (StepGraphs._verify_step), for the
+            try:  # filtered steps above FILTER_GRAPH_ROWS, which run that verification eagerly
+                runs += precompile(method, self.vocab_size, self.num_spec_tokens, self.device, draft_rows=True)
+            except Exception as e:  # noqa: BLE001 (as _verify_probabilistic: the torch path is equivalent)
+                self._drop_fused_verify(method, e)
+                return runs
         if self.verify_from_logits:  # the sampled verification graph's variant (StepGraphs._verify_step)
             try:
-                runs += precompile(method, self.vocab_size, self.num_spec_tokens, self.device, from_logits=True)
+                runs += precompile(method, self.vocab_size, self.num_spec_tokens, self.device, from_logits=True,
+                                   draft_rows=True)
             except Exception as e:  # noqa: BLE001 (as _verify_probabilistic: from probabilities instead)
                 logger.warning("verification from logits failed to build (%s: %s); verifying from probabilities",
                                type(e).__name__, e)

@@ -64,6 +64,14 @@ element read: softmax + verification at 128 rows (batch 32, 3 drafts) block 64.8
 but at 32 rows block 31.4 -> 33.5 (H100, session 55), so the engine uses it from 128 rows
 (cuda_graphs.VERIFY_FROM_LOGITS_MIN_ROWS). FROM_LOGITS doubles the compiled variants.
 
+Draft rows
+----------
+``draft_rows`` [B] (int64): request b's q is row ``draft_rows[b]`` of ``draft_probs`` (any number of rows) instead
+of row b. The verification graphs (engine/cuda_graphs.py ``_verify_step``) read the drafts' q where the drafter
+graph wrote it — the previous step's rows of its requests, which move when requests end or are admitted — instead
+of copying it into the graph's rows first (session 56: an 18.9 MB copy per batch-32 step at 3 drafts, ~16 µs on an
+H100). Q_ROWS is one more constexpr: the graphs' variants of the kernels.
+
 Compiled variants
 -----------------
 Triton compiles a kernel once per set of constexprs and per specialisation of its integer arguments (== 1,
@@ -73,9 +81,10 @@ H100, 1.3-1.7 s inside a timed bench call (session 43). So the shapes that vary 
 kernel: the draft dimension is padded to ``max_drafts`` (N_PAD, OUT_PAD: the caller's block size; the padding
 slots are masked, and the acceptance uniforms are counter-based, so column i - 1 is U_i whatever the width), the
 reduction's split dimension to the vocabulary's tile count (S_PAD), and B, N, the tiles per split and the split
-count are not specialised on. What is left is HAS_MASS (N >= 2), FINAL (one split) and FROM_LOGITS, at most
-eight kernels per method, which ``precompile`` builds before serving (for a vocabulary size that is a multiple of
-16; otherwise the row strides' divisibility by 16 changes with N too, and a few more are compiled when first used).
+count are not specialised on. What is left is HAS_MASS (N >= 2), FINAL (one split), FROM_LOGITS and Q_ROWS, at
+most sixteen kernels per method, of which ``precompile`` builds those the engine uses before serving (for a
+vocabulary size that is a multiple of 16; otherwise the row strides' divisibility by 16 changes with N too, and a
+few more are compiled when first used).
 
 Draft ids outside [0, V) in real draft slots (the reference would fail on them in its gather) are
 read as p_i(X_i) = q_i(X_i) = 0, so r_i = 0: the standard kernel rejects them, and in block P_i = 0
@@ -177,8 +186,18 @@ def _tp_load(tp_ptr, off, mask, ts_ptr, trow, tmask, FROM_LOGITS: tl.constexpr):
 
 
 @triton.jit
+def _q_base(qi_ptr, rows, rm, sdp_b, Q_ROWS: tl.constexpr):
+    """[BLOCK_B] int64 offset of each request's q in the draft probabilities: row ``qi_ptr[b]`` (Q_ROWS, the
+    module docstring's "Draft rows") or row b."""
+    if Q_ROWS:
+        return tl.load(qi_ptr + rows, mask=rm, other=0).to(tl.int64) * sdp_b
+    else:
+        return rows * sdp_b
+
+
+@triton.jit
 def _final_token(
-    tp_ptr, stp_b, stp_r, ts_ptr, sts_b, dt_ptr, sdt_b, dp_ptr, sdp_b, sdp_r,
+    tp_ptr, stp_b, stp_r, ts_ptr, sts_b, dt_ptr, sdt_b, dp_ptr, qb, sdp_r,
     out_ptr, nout_ptr, pf_ptr, pi_ptr, acc_ptr,
     rows, rm, nb, seed, pos, a, scale, s, N, V, NT, TPS, S, recover_stream,
     SCALED: tl.constexpr, FINAL: tl.constexpr, PRECISE: tl.constexpr, FROM_LOGITS: tl.constexpr,
@@ -193,7 +212,7 @@ def _final_token(
     use_res = rm & (a < nb)
     prow = rows * stp_b + a.to(tl.int64) * stp_r
     trow = (rows * sts_b + a.to(tl.int64))[:, None]  # FROM_LOGITS: the logits row's (t, M, Z)
-    qrow = rows * sdp_b + tl.where(use_res, a, 0).to(tl.int64) * sdp_r
+    qrow = qb + tl.where(use_res, a, 0).to(tl.int64) * sdp_r  # qb: _q_base
     rpos = pos + a.to(tl.int64)  # the emitted token's position keys its noise
     best_p = tl.full([BLOCK_B], float("-inf"), tl.float32)
     best_r = tl.full([BLOCK_B], float("-inf"), tl.float32)
@@ -247,18 +266,20 @@ def _verify_standard_kernel(
     tp_ptr, stp_b, stp_r,  # target probs [B, N+1, V] f32, unit stride over V (FROM_LOGITS: the logits)
     ts_ptr, sts_b,  # FROM_LOGITS: each logits row's (t, M, Z) [B, sts_b, 3] f32 (_tp_load)
     dt_ptr, sdt_b,  # draft tokens [B, N] int64
-    dp_ptr, sdp_b, sdp_r,  # draft probs [B, N, V] f32, unit stride over V
+    dp_ptr, sdp_b, sdp_r,  # draft probs [B, N, V] f32, unit stride over V (Q_ROWS: [any, N, V])
+    qi_ptr,  # Q_ROWS: each request's row of the draft probs [B] int64 (_q_base)
     nd_ptr, seed_ptr, pos_ptr,  # [B] int64
     out_ptr, nout_ptr,  # FINAL: tokens [B, N+1] int64 (contiguous), num_emitted [B] int64
     pf_ptr, pi_ptr, acc_ptr,  # not FINAL: partials [B, S, 2] f32, [B, S, 4] int32, a [B] int32
     B, N, V, NT, TPS, S,
     accept_stream, recover_stream,
-    FINAL: tl.constexpr, PRECISE: tl.constexpr, FROM_LOGITS: tl.constexpr,
+    FINAL: tl.constexpr, PRECISE: tl.constexpr, FROM_LOGITS: tl.constexpr, Q_ROWS: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, N_PAD: tl.constexpr, OUT_PAD: tl.constexpr,
 ):
     s = tl.program_id(1)
     rows = (tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)).to(tl.int64)
     rm = rows < B
+    qb = _q_base(qi_ptr, rows, rm, sdp_b, Q_ROWS)
     nb = tl.load(nd_ptr + rows, mask=rm, other=0)
     nb = tl.minimum(tl.maximum(nb, 0), N).to(tl.int32)
     seed = tl.load(seed_ptr + rows, mask=rm, other=0)
@@ -271,7 +292,7 @@ def _verify_standard_kernel(
     inv = valid & (x >= 0) & (x < V)  # a valid draft is a token id; out-of-range ones are rejected
     px = _tp_load(tp_ptr, rows[:, None] * stp_b + j * stp_r + x, inv, ts_ptr, rows[:, None] * sts_b + j, inv,
                   FROM_LOGITS)
-    qx = tl.load(dp_ptr + rows[:, None] * sdp_b + j * sdp_r + x, mask=inv, other=0.0)
+    qx = tl.load(dp_ptr + qb[:, None] + j * sdp_r + x, mask=inv, other=0.0)
     ratio = tl.math.div_rn(px, tl.maximum(qx, _TINY, propagate_nan=tl.PropagateNan.ALL))
     u = _acceptance_uniforms(seed, pos, accept_stream, BLOCK_B, N_PAD)
     accept = valid & (u <= ratio)
@@ -280,7 +301,7 @@ def _verify_standard_kernel(
 
     # (2), (3): the final token of norm(max(p_{a+1} - q_{a+1}, 0)) or p_{a+1}, and the output
     # (``scale`` is read only with SCALED: any tensor will do here).
-    _final_token(tp_ptr, stp_b, stp_r, ts_ptr, sts_b, dt_ptr, sdt_b, dp_ptr, sdp_b, sdp_r, out_ptr, nout_ptr, pf_ptr,
+    _final_token(tp_ptr, stp_b, stp_r, ts_ptr, sts_b, dt_ptr, sdt_b, dp_ptr, qb, sdp_r, out_ptr, nout_ptr, pf_ptr,
                  pi_ptr, acc_ptr, rows, rm, nb, seed, pos, a, ratio, s, N, V, NT, TPS, S, recover_stream,
                  SCALED=False, FINAL=FINAL, PRECISE=PRECISE, FROM_LOGITS=FROM_LOGITS, BLOCK_B=BLOCK_B,
                  BLOCK_V=BLOCK_V, OUT_PAD=OUT_PAD)
@@ -288,7 +309,7 @@ def _verify_standard_kernel(
 
 @triton.jit
 def _block_running_p(
-    tp_ptr, stp_b, stp_r, ts_ptr, sts_b, dt_ptr, sdt_b, dp_ptr, sdp_b, sdp_r, rows, rm, nb, N, V,
+    tp_ptr, stp_b, stp_r, ts_ptr, sts_b, dt_ptr, sdt_b, dp_ptr, qb, sdp_r, rows, rm, nb, N, V,
     FROM_LOGITS: tl.constexpr, BLOCK_B: tl.constexpr, N_PAD: tl.constexpr,
 ):
     """[BLOCK_B, N_PAD] f32, column i - 1 = P_i for i = 1..N (0 past N; P_0 = 1 is implicit):
@@ -302,7 +323,7 @@ def _block_running_p(
         x = tl.load(dt_ptr + rows * sdt_b + i, mask=valid, other=0).to(tl.int64)
         inv = valid & (x >= 0) & (x < V)  # out-of-range ids read as p = q = 0: r_i = 0, P_i = 0
         px = _tp_load(tp_ptr, rows * stp_b + i * stp_r + x, inv, ts_ptr, rows * sts_b + i, inv, FROM_LOGITS)
-        qx = tl.load(dp_ptr + rows * sdp_b + i * sdp_r + x, mask=inv, other=0.0)
+        qx = tl.load(dp_ptr + qb + i * sdp_r + x, mask=inv, other=0.0)
         ratio = tl.math.div_rn(px, tl.maximum(qx, _TINY, propagate_nan=tl.PropagateNan.ALL))
         run = tl.where(valid, tl.minimum(run * ratio, 1.0, propagate_nan=tl.PropagateNan.ALL), run)
         big_p = tl.where(j == i, run[:, None], big_p)
@@ -311,7 +332,7 @@ def _block_running_p(
 
 @triton.jit
 def _block_mass_tile(
-    tp_ptr, stp_b, stp_r, ts_ptr, sts_b, dp_ptr, sdp_b, sdp_r, rows, rm, nb, big_p, t, N, V,
+    tp_ptr, stp_b, stp_r, ts_ptr, sts_b, dp_ptr, qb, sdp_r, rows, rm, nb, big_p, t, N, V,
     FROM_LOGITS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, N_PAD: tl.constexpr,
 ):
     """[BLOCK_B, N_PAD] f32, column i - 1 = vocabulary tile t's share of
@@ -326,7 +347,7 @@ def _block_mass_tile(
         big_pi = tl.sum(tl.where(j == i - 1, big_p, 0.0), 1)  # P_i (a sum of one term: exact)
         p = _tp_load(tp_ptr, (rows * stp_b + i * stp_r)[:, None] + cols, cm, ts_ptr, (rows * sts_b + i)[:, None],
                      rm[:, None], FROM_LOGITS)
-        q = tl.load(dp_ptr + (rows * sdp_b + i * sdp_r)[:, None] + cols, mask=cm, other=0.0)
+        q = tl.load(dp_ptr + (qb + i * sdp_r)[:, None] + cols, mask=cm, other=0.0)
         d = big_pi[:, None] * p - q  # two roundings, as the reference's two ops (no fp fusion)
         r = tl.where(d < 0.0, 0.0, d)  # clamp(min=0), NaN kept
         part = tl.where(j == i - 1, tl.sum(tl.where(cm, r, 0.0), 1)[:, None], part)
@@ -335,24 +356,26 @@ def _block_mass_tile(
 
 @triton.jit(do_not_specialize=["sdt_b", "B", "N", "TPS"])
 def _block_mass_kernel(
-    tp_ptr, stp_b, stp_r, ts_ptr, sts_b, dt_ptr, sdt_b, dp_ptr, sdp_b, sdp_r, nd_ptr,
+    tp_ptr, stp_b, stp_r, ts_ptr, sts_b, dt_ptr, sdt_b, dp_ptr, sdp_b, sdp_r, qi_ptr, nd_ptr,
     part_ptr,  # tile sums [B, NT, N_PAD] f32
     B, N, V, NT, TPS,
-    FROM_LOGITS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, N_PAD: tl.constexpr,
+    FROM_LOGITS: tl.constexpr, Q_ROWS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
+    N_PAD: tl.constexpr,
 ):
     """Block verification with the vocabulary split, launch 1 of 3: the tile sums of R_1..R_{N-1} for
     this program's requests and tiles [s TPS, min((s + 1) TPS, NT))."""
     s = tl.program_id(1)
     rows = (tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)).to(tl.int64)
     rm = rows < B
+    qb = _q_base(qi_ptr, rows, rm, sdp_b, Q_ROWS)
     nb = tl.minimum(tl.maximum(tl.load(nd_ptr + rows, mask=rm, other=0), 0), N).to(tl.int32)
-    big_p = _block_running_p(tp_ptr, stp_b, stp_r, ts_ptr, sts_b, dt_ptr, sdt_b, dp_ptr, sdp_b, sdp_r, rows, rm, nb,
+    big_p = _block_running_p(tp_ptr, stp_b, stp_r, ts_ptr, sts_b, dt_ptr, sdt_b, dp_ptr, qb, sdp_r, rows, rm, nb,
                              N, V, FROM_LOGITS, BLOCK_B, N_PAD)
     j = tl.arange(0, N_PAD)[None, :]
     t_lo = s * TPS
     t_hi = tl.minimum(t_lo + TPS, NT)
     for t in range(t_lo, t_hi):
-        part = _block_mass_tile(tp_ptr, stp_b, stp_r, ts_ptr, sts_b, dp_ptr, sdp_b, sdp_r, rows, rm, nb, big_p, t,
+        part = _block_mass_tile(tp_ptr, stp_b, stp_r, ts_ptr, sts_b, dp_ptr, qb, sdp_r, rows, rm, nb, big_p, t,
                                 N, V, FROM_LOGITS, BLOCK_B, BLOCK_V, N_PAD)
         tl.store(part_ptr + (rows[:, None] * NT + t) * N_PAD + j, part, mask=rm[:, None])
 
@@ -362,7 +385,8 @@ def _verify_block_kernel(
     tp_ptr, stp_b, stp_r,  # target probs [B, N+1, V] f32, unit stride over V (FROM_LOGITS: the logits)
     ts_ptr, sts_b,  # FROM_LOGITS: each logits row's (t, M, Z) [B, sts_b, 3] f32 (_tp_load)
     dt_ptr, sdt_b,  # draft tokens [B, N] int64
-    dp_ptr, sdp_b, sdp_r,  # draft probs [B, N, V] f32, unit stride over V
+    dp_ptr, sdp_b, sdp_r,  # draft probs [B, N, V] f32, unit stride over V (Q_ROWS: [any, N, V])
+    qi_ptr,  # Q_ROWS: each request's row of the draft probs [B] int64 (_q_base)
     nd_ptr, seed_ptr, pos_ptr,  # [B] int64
     out_ptr, nout_ptr,  # FINAL: tokens [B, N+1] int64 (contiguous), num_emitted [B] int64
     part_ptr,  # not FINAL (and HAS_MASS): _block_mass_kernel's tile sums [B, NT, N_PAD] f32
@@ -370,24 +394,25 @@ def _verify_block_kernel(
     B, N, V, NT, TPS, S,
     accept_stream, recover_stream,
     FINAL: tl.constexpr, HAS_MASS: tl.constexpr, PRECISE: tl.constexpr, FROM_LOGITS: tl.constexpr,
-    BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, N_PAD: tl.constexpr, OUT_PAD: tl.constexpr,
+    Q_ROWS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, N_PAD: tl.constexpr, OUT_PAD: tl.constexpr,
 ):
     s = tl.program_id(1)
     rows = (tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)).to(tl.int64)
     rm = rows < B
+    qb = _q_base(qi_ptr, rows, rm, sdp_b, Q_ROWS)
     nb = tl.minimum(tl.maximum(tl.load(nd_ptr + rows, mask=rm, other=0), 0), N).to(tl.int32)
     seed = tl.load(seed_ptr + rows, mask=rm, other=0)
     pos = tl.load(pos_ptr + rows, mask=rm, other=0)
 
     # (1) P_1..P_N and R_1..R_{N-1}: the tile sums added in tile order, whoever computed them.
-    big_p = _block_running_p(tp_ptr, stp_b, stp_r, ts_ptr, sts_b, dt_ptr, sdt_b, dp_ptr, sdp_b, sdp_r, rows, rm, nb,
+    big_p = _block_running_p(tp_ptr, stp_b, stp_r, ts_ptr, sts_b, dt_ptr, sdt_b, dp_ptr, qb, sdp_r, rows, rm, nb,
                              N, V, FROM_LOGITS, BLOCK_B, N_PAD)
     j = tl.arange(0, N_PAD)[None, :]
     mass = tl.zeros([BLOCK_B, N_PAD], tl.float32)
     if HAS_MASS:
         if FINAL:
             for t in range(0, NT):
-                mass += _block_mass_tile(tp_ptr, stp_b, stp_r, ts_ptr, sts_b, dp_ptr, sdp_b, sdp_r, rows, rm, nb,
+                mass += _block_mass_tile(tp_ptr, stp_b, stp_r, ts_ptr, sts_b, dp_ptr, qb, sdp_r, rows, rm, nb,
                                          big_p, t, N, V, FROM_LOGITS, BLOCK_B, BLOCK_V, N_PAD)
         else:
             for t in range(0, NT):
@@ -404,7 +429,7 @@ def _verify_block_kernel(
     scale = tl.where(tau == 0, 1.0, tl.sum(tl.where(slot == tau[:, None], big_p, 0.0), 1))  # P_τ, exact
 
     # (3) the final token of norm(max(P_τ·p_{τ+1} - q_{τ+1}, 0)) or p_{τ+1}, and the output.
-    _final_token(tp_ptr, stp_b, stp_r, ts_ptr, sts_b, dt_ptr, sdt_b, dp_ptr, sdp_b, sdp_r, out_ptr, nout_ptr, pf_ptr,
+    _final_token(tp_ptr, stp_b, stp_r, ts_ptr, sts_b, dt_ptr, sdt_b, dp_ptr, qb, sdp_r, out_ptr, nout_ptr, pf_ptr,
                  pi_ptr, acc_ptr, rows, rm, nb, seed, pos, tau, scale, s, N, V, NT, TPS, S, recover_stream,
                  SCALED=True, FINAL=FINAL, PRECISE=PRECISE, FROM_LOGITS=FROM_LOGITS, BLOCK_B=BLOCK_B,
                  BLOCK_V=BLOCK_V, OUT_PAD=OUT_PAD)
@@ -488,6 +513,7 @@ def _verify_triton(
     num_warps: int,
     max_drafts: int | None = None,
     target_stats: Tensor | None = None,
+    draft_rows: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """verify_standard_triton / verify_block_triton: the checks, conversions, layout and launches."""
     check_device(target_probs)
@@ -499,7 +525,13 @@ def _verify_triton(
         raise ValueError(f"target_stats must be float32 [{batch}, {n + 1}, 3] with rows of 3 contiguous values "
                          f"(softmax.temperature_softmax_stats), got {tuple(target_stats.shape)} "
                          f"{target_stats.dtype} strides {target_stats.stride()}")
-    assert draft_probs.shape == (batch, n, vocab), (draft_probs.shape, draft_tokens.shape)
+    if draft_rows is None:
+        assert draft_probs.shape == (batch, n, vocab), (draft_probs.shape, draft_tokens.shape)
+    elif (draft_probs.dim() != 3 or draft_probs.shape[1:] != (n, vocab) or draft_rows.shape != (batch,)
+          or draft_rows.dtype != torch.int64 or draft_rows.device != target_probs.device):
+        raise ValueError(f"draft_rows must be int64 [{batch}] on {target_probs.device} rows of draft_probs [rows, {n}, "
+                         f"{vocab}], got {tuple(draft_rows.shape)} {draft_rows.dtype} on {draft_rows.device} and "
+                         f"{tuple(draft_probs.shape)}")
     dev = target_probs.device
     tokens = torch.empty(batch, n + 1, dtype=torch.int64, device=dev)
     num_emitted = torch.empty(batch, dtype=torch.int64, device=dev)
@@ -538,14 +570,15 @@ def _verify_triton(
         acc = torch.empty(batch, dtype=torch.int32, device=dev)
     from_logits = target_stats is not None
     stats, sts_b = (target_stats, target_stats.stride(0) // 3) if from_logits else (target_probs, 0)
+    q_rows = draft_rows is not None and n > 0
     probs = (target_probs, target_probs.stride(0), target_probs.stride(1), stats, sts_b, draft_tokens, sdt_b,
-             draft_probs, sdp_b, sdp_r)
+             draft_probs, sdp_b, sdp_r, draft_rows.contiguous() if q_rows else num_emitted)
     streams = (accept_stream & 0xFFFFFFFF, recover_stream & 0xFFFFFFFF)
     if method == "standard":
         _verify_standard_kernel[(n_prog, n_split)](
             *probs, num_drafts, seeds, positions, tokens, num_emitted, pf, pi, acc,
             batch, n, vocab, nt, tps, n_split, *streams,
-            FINAL=final, PRECISE=_precise(target_probs), FROM_LOGITS=from_logits,
+            FINAL=final, PRECISE=_precise(target_probs), FROM_LOGITS=from_logits, Q_ROWS=q_rows,
             BLOCK_B=block_b, BLOCK_V=block_v, N_PAD=n_pad, OUT_PAD=out_pad,
             num_warps=num_warps, **opts,
         )
@@ -555,14 +588,14 @@ def _verify_triton(
         if has_mass and not final:
             part = torch.empty(batch, nt, n_pad, dtype=torch.float32, device=dev)
             _block_mass_kernel[(n_prog, n_split)](
-                *probs, num_drafts, part, batch, n, vocab, nt, tps, FROM_LOGITS=from_logits,
+                *probs, num_drafts, part, batch, n, vocab, nt, tps, FROM_LOGITS=from_logits, Q_ROWS=q_rows,
                 BLOCK_B=block_b, BLOCK_V=block_v, N_PAD=n_pad, num_warps=num_warps, **opts,
             )
         _verify_block_kernel[(n_prog, n_split)](
             *probs, num_drafts, seeds, positions, tokens, num_emitted, part, pf, pi, acc,
             batch, n, vocab, nt, tps, n_split, *streams,
             FINAL=final, HAS_MASS=has_mass, PRECISE=_precise(target_probs), FROM_LOGITS=from_logits,
-            BLOCK_B=block_b, BLOCK_V=block_v, N_PAD=n_pad, OUT_PAD=out_pad,
+            Q_ROWS=q_rows, BLOCK_B=block_b, BLOCK_V=block_v, N_PAD=n_pad, OUT_PAD=out_pad,
             num_warps=num_warps, **opts,
         )
     if not final:
@@ -589,6 +622,7 @@ def verify_standard_triton(
     num_warps: int = 4,
     max_drafts: int | None = None,
     target_stats: Tensor | None = None,
+    draft_rows: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``verify_probabilistic(target_probs, draft_tokens, draft_probs, num_drafts, seeds, positions,
     "standard", accept_stream, recover_stream)``, fused (see the module docstring).
@@ -610,10 +644,13 @@ def verify_standard_triton(
     ``target_probs`` holds the target's fp32 logits and each probability is made where it is read, with the ops
     that would have written it (the module docstring's "From logits"): the same tokens as from
     ``temperature_softmax_argmax``'s probabilities, without writing or reading those.
+
+    ``draft_rows`` [B] int64: request b's q is ``draft_probs[draft_rows[b]]`` ([rows, N, V], any number of rows),
+    as if ``draft_probs.index_select(0, draft_rows)`` were passed (the module docstring's "Draft rows").
     """
     return _verify_triton("standard", target_probs, draft_tokens, draft_probs, num_drafts, seeds, positions,
                           accept_stream, recover_stream, block_v, block_b, splits, num_warps, max_drafts,
-                          target_stats)
+                          target_stats, draft_rows)
 
 
 def verify_block_triton(
@@ -632,6 +669,7 @@ def verify_block_triton(
     num_warps: int = 4,
     max_drafts: int | None = None,
     target_stats: Tensor | None = None,
+    draft_rows: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``verify_probabilistic(target_probs, draft_tokens, draft_probs, num_drafts, seeds, positions,
     "block", accept_stream, recover_stream)``, fused (see the module docstring): the same arguments,
@@ -642,16 +680,18 @@ def verify_block_triton(
     """
     return _verify_triton("block", target_probs, draft_tokens, draft_probs, num_drafts, seeds, positions,
                           accept_stream, recover_stream, block_v, block_b, splits, num_warps, max_drafts,
-                          target_stats)
+                          target_stats, draft_rows)
 
 
-def precompile(method: str, vocab: int, max_drafts: int, device: torch.device | str, from_logits: bool = False) -> int:
+def precompile(method: str, vocab: int, max_drafts: int, device: torch.device | str, from_logits: bool = False,
+               draft_rows: bool = False) -> int:
     """Build, before serving, every kernel ``method``'s verification can need for up to ``max_drafts`` drafts at
     any batch size: N = 1 and N = max_drafts (without and with HAS_MASS), each with the vocabulary split and
     in one split (FINAL), on one-request dummy inputs (the batch size is not specialised on). Returns the
     number of verifications run. The engine calls it at warm-up (LLMEngine.warm_up, ModelRunner), where
     eager steps would otherwise compile these while serving (the module docstring's "Compiled variants").
-    ``from_logits``: the variants reading logits and ``target_stats`` instead."""
+    ``from_logits``: the variants reading logits and ``target_stats`` instead; ``draft_rows``: the variants
+    reading each request's q at a row of its own (the verification graphs')."""
     fn = {"standard": verify_standard_triton, "block": verify_block_triton}[method]
     dev = torch.device(device)
     runs = 0
@@ -661,8 +701,9 @@ def precompile(method: str, vocab: int, max_drafts: int, device: torch.device | 
         one = torch.ones(1, dtype=torch.int64, device=dev)
         stats = torch.tensor([[[1.0, 0.0, float(vocab)]] * (n + 1)], device=dev) if from_logits else None
         tp = torch.zeros_like(probs) if from_logits else probs  # zero logits with those stats: the same uniform p
+        rows = torch.zeros(1, dtype=torch.int64, device=dev) if draft_rows else None
         for splits in (None, 1):
             fn(tp, torch.zeros(1, n, dtype=torch.int64, device=dev), q, one * n, one, one, splits=splits,
-               max_drafts=max_drafts, target_stats=stats)
+               max_drafts=max_drafts, target_stats=stats, draft_rows=rows)
             runs += 1
     return runs

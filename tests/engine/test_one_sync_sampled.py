@@ -49,6 +49,9 @@ PARAMS = {
     ("mixed", {"draft_sample_method": "greedy"}, 512),
     ("mixed", {"rejection_sample_method": "block"}, 0),  # filtered rows over the graphs' cap: run eagerly
     ("mixed_t", {"rejection_sample_method": "block"}, 512),
+    # probabilistic drafts: the verification reads their q where the drafter graph wrote it (q_rows, session 56)
+    ("sampled", {"draft_sample_method": "probabilistic"}, 512),
+    ("mixed_t", {"draft_sample_method": "probabilistic", "rejection_sample_method": "block"}, 512),
 ])
 def test_one_sync_sampled_steps_match_the_host_path(spec_pair, prompts, case, spec, filter_rows, monkeypatch):
     from dspark.kernels import softmax
@@ -149,17 +152,18 @@ def test_keep_draft_q_clones_only_the_entries_a_later_step_still_reads():
     assert torch.equal(runner.draft_probs["d"][0][1], want["d"])
 
 
-@pytest.mark.parametrize("rows,src", [([0, 1], None), ([0, 1], [2, 0]), ([1, 3], None), ([3, 0], [1, 2])])
-def test_set_verify_q_writes_the_source_rows_to_the_graph_rows(rows, src):
-    """StepGraphs.set_verify_q: rows ``src`` of q (default: the first S) land at graph rows ``rows`` of vq,
-    in one copy whatever the rows; rows no request verifies keep their values."""
+def test_q_rows_and_staged_q_land_where_the_verification_reads_them():
+    """StepGraphs.write_q_rows names, in the pinned inputs, the row of ``probs`` where each sampled graph row's
+    q is (the drafter graph's row, or a staged one); stage_q copies q from elsewhere to the staged rows. The
+    verification graph reads probs at q_rows (kernels/rejection.py, "Draft rows")."""
     g = cuda_graphs.StepGraphs.__new__(cuda_graphs.StepGraphs)
-    g.n_spec = 3
-    g.vq = torch.zeros(4, 3, 10)
-    dq = torch.rand(3, 5, 10)  # more drafts than the graph verifies: the first n_spec are read
-    index = None if rows == list(range(len(rows))) else torch.tensor(rows)
-    g.set_verify_q(rows, dq, index, None if src is None else torch.tensor(src))
-    want = torch.zeros(4, 3, 10)
-    for j, r in enumerate(rows):
-        want[r] = dq[j if src is None else src[j], :3]
-    assert torch.equal(g.vq, want)
+    g.n_spec, g.max_rows, g.max_batch, g.staged = 3, 8, 4, 4
+    g._hi = torch.zeros(3 * 8 + 7 * 4, dtype=torch.int64).numpy()
+    g.probs = torch.zeros(8, 3, 10)
+    g.write_q_rows([1, 3], [2, 0])
+    assert g._hi[3 * 8 + 6 * 4:].tolist() == [0, 2, 0, 0]
+    g.write_q_rows([0, 2], [4, 5])  # staged rows
+    assert g._hi[3 * 8 + 6 * 4:].tolist() == [4, 2, 5, 0]
+    dq = torch.rand(2, 5, 10)  # more drafts than the graph verifies: the first n_spec are kept
+    g.stage_q(dq)
+    assert torch.equal(g.probs[4:6], dq[:, :3]) and not g.probs[:4].any() and not g.probs[6:].any()

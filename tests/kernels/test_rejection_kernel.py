@@ -535,6 +535,7 @@ def test_precompile_runs_every_variant(method: str) -> None:
     assert precompile(method, 50, 5, "cpu") == 4
     assert precompile(method, 50, 1, "cpu") == 2
     assert precompile(method, 50, 5, "cpu", from_logits=True) == 4
+    assert precompile(method, 50, 5, "cpu", draft_rows=True) == 4
 
 
 def test_block_verification_split_default() -> None:
@@ -605,3 +606,47 @@ def test_from_logits_rejects_bad_stats() -> None:
         verify_block_triton(x, drafts, q, nd, seeds, positions, target_stats=torch.ones(2, 3, 2))
     with pytest.raises(ValueError, match="target_stats must be float32"):
         verify_standard_triton(x, drafts, q, nd, seeds, positions, target_stats=torch.ones(2, 3, 3).double())
+
+
+# ------------------------------------------------------------------------------------------ draft rows
+@pytest.mark.parametrize("method", ["standard", "block"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("B,N,V", [(6, 3, 300), (4, 1, 97), (2, 0, 50)])
+@pytest.mark.parametrize("from_logits", [False, True])
+def test_draft_rows_read_each_request_q_at_its_row(method: str, layout: str, B: int, N: int, V: int,
+                                                   from_logits: bool) -> None:
+    """draft_rows (the verification graphs: each request's q where the drafter graph wrote it) gives the tokens
+    and counts of passing draft_probs.index_select(0, draft_rows): rows out of order, repeated, past B, and
+    other rows holding other (NaN) values that must not be read."""
+    from dspark.kernels.softmax import temperature_softmax_argmax, temperature_softmax_stats
+
+    fn = {"standard": verify_standard_triton, "block": verify_block_triton}[method]
+    for seed in range(2):
+        logits, t, drafts, q, nd, seeds, positions = _logits_inputs(B, N, V, 31 * seed + 5 * B + N)
+        probs, _ = temperature_softmax_argmax(logits, t)
+        g = torch.Generator().manual_seed(seed)
+        rows = torch.randperm(2 * B + 3, generator=g)[:B]  # distinct rows of a larger buffer, in any order
+        rows[-1] = rows[0] if B > 2 and seed else rows[-1]  # and, once, one row read by two requests
+        buf = torch.full((2 * B + 3, N, V), float("nan"))
+        buf[rows] = q if not (B > 2 and seed) else torch.cat([q[:-1], q[:1]])
+        q_eff = buf.index_select(0, rows)
+        kw = dict(LAYOUTS[layout])
+        if from_logits:
+            stats, _ = temperature_softmax_stats(logits, t)
+            tp, kw["target_stats"] = logits.view(B, N + 1, V), stats.view(B, N + 1, 3)
+        else:
+            tp = probs.view(B, N + 1, V)
+        want = fn(tp, drafts, q_eff, nd, seeds, positions, **kw)
+        got = fn(tp, drafts, buf, nd, seeds, positions, draft_rows=rows, **kw)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (got, want)
+
+
+def test_draft_rows_rejects_bad_rows() -> None:
+    logits, t, drafts, q, nd, seeds, positions = _logits_inputs(2, 2, 50, 1)
+    from dspark.kernels.softmax import temperature_softmax_argmax
+
+    p = temperature_softmax_argmax(logits, t)[0].view(2, 3, 50)
+    with pytest.raises(ValueError, match="draft_rows must be int64"):
+        verify_block_triton(p, drafts, q, nd, seeds, positions, draft_rows=torch.zeros(2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="draft_rows must be int64"):
+        verify_standard_triton(p, drafts, q[:, :1], nd, seeds, positions, draft_rows=torch.zeros(2, dtype=torch.int64))
