@@ -16,7 +16,8 @@ parts (comma-separated, default all):
            1k, under torch.profiler (graph replays), by kernel name: where a verification step's extra
            time over a decode step goes. KERNELS_SAMPLED=1: the temperature-1 steps instead (the sampled
            verification and the probabilistic drafter; from batch 16 the graph set of the sampled-batch rule's
-           verify length, 3 drafts); KERNELS_B (e.g. "8,32") the batch sizes.
+           verify length, 3 drafts); KERNELS_B (e.g. "8,32") the batch sizes; KERNELS_PER_GRAPH=1 also each
+           graph's kernels on their own (``per_graph``).
 Writes OUT_DIR/graphs_check.json and prints a summary.
 """
 
@@ -245,11 +246,25 @@ if "kernels" in parts:
                 rows.sort(key=lambda r: -r["us_per_step"])
                 steps_ms = [replay_ms(gr, {0: c}, 0) for c in seq]
                 key = f"{name}/B{B}{tag}"
+                # and each graph's kernels on its own (KERNELS_PER_GRAPH=1): which graph a small op belongs to
+                per_graph = {}
+                if os.environ.get("KERNELS_PER_GRAPH") == "1":
+                    labels = ["target"] + (["verify", "draft"] if spec else ["sample"])
+                    for label, c in zip(labels, seq):
+                        with profile(activities=[ProfilerActivity.CUDA]) as p1:
+                            for _ in range(reps):
+                                c.graph.replay()
+                            torch.cuda.synchronize()
+                        per_graph[label] = sorted(
+                            ({"name": e.key[:100], "per_step": round(e.count / reps, 2),
+                              "us_per_step": round(t / reps, 2)} for e in p1.key_averages()
+                             if (t := getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0))),
+                            key=lambda r: -r["us_per_step"])
                 kern[key] = {"q": gr.q, "graph_ms": [round(x, 4) for x in steps_ms],
                              "total_ms": round(sum(steps_ms), 4),
                              "kernels_per_step": round(sum(r["per_step"] for r in rows), 1),
                              "kernel_us_per_step": round(sum(r["us_per_step"] for r in rows), 1),
-                             "kernels": rows[:40]}
+                             "kernels": rows[:40], **({"per_graph": per_graph} if per_graph else {})}
                 report(f"kernels {key}", {k: v for k, v in kern[key].items() if k != "kernels"})
                 for r in rows[:25]:
                     print("   ", r, flush=True)
