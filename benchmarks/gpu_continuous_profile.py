@@ -127,7 +127,7 @@ def profile_system(llm: LLM, prompts: list[list[int]], batch: int, max_tokens: i
     timed = [(runner, "launch_one_sync"), (runner, "finish_one_sync"), (engine.scheduler, "schedule_on_top"),
              (engine.scheduler, "update"), (engine.scheduler, "schedule"), (engine, "_apply"), (engine, "_outputs"),
              (G, "prepare_target"), (G, "prepare_sampling"), (G, "upload"), (G, "flip"),
-             (G, "rows_from_previous_step"), (G, "drafter_inputs_on_device"), (G, "set_verify_q"),
+             (G, "rows_from_previous_step"), (G, "drafter_inputs_on_device"), (G, "stage_q"),
              (G, "replay_target"), (G, "replay_draft"), (runner, "_sampling_batch"), (runner, "_index"),
              (runner, "_copy_back"), (G, "replay_verify"), (runner, "_prefill_outcome"), (engine.kv, "truncate")]
     originals = []
@@ -325,7 +325,7 @@ def segments(llm: LLM, prompts: list[list[int]], max_tokens: int, temperature: f
         hooked.append((obj, name))
 
     for g in {id(g): g for g in (G, *runner.graph_sets.values())}.values():  # every verification length's set
-        for name in ("upload", "rows_from_previous_step", "replay_target", "set_verify_q", "replay_verify",
+        for name in ("upload", "rows_from_previous_step", "replay_target", "stage_q", "replay_verify",
                      "replay_sample", "drafter_inputs_on_device", "replay_draft"):
             hook(g, name)
     hook(runner, "_copy_back")

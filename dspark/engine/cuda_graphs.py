@@ -331,7 +331,7 @@ class StepGraphs:
         row and greedy verification of every request; VERIFY_SAMPLED / VERIFY_FILTERED: also the
         verification by rejection_sample_method of every request against its processed distribution
         (temperature; with VERIFY_FILTERED also each row's top-k, top-p and min-p, neutral values doing
-        nothing) and the drafts' q in ``vq``, taken for the rows with temperature > 0. The same
+        nothing) and the drafts' q at ``q_rows`` of ``probs``, taken for the rows with temperature > 0. The same
         distributions, keys and kernel as ModelRunner._verify (the host path), so the same tokens. Returns
         (tokens [B, q], emitted [B], argmax [B, q])."""
         from dspark.kernels.spec_step import verify_greedy_rows
