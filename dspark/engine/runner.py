@@ -589,7 +589,8 @@ class ModelRunner:
         if q > 1 and sampled:
             srows = [row_of[b] for b in sampled]
             if prev is not None:
-                src = [prev_rows[b] for b in sampled] if _in_buffer(prev.draft_q, G.probs) else None
+                prows = [prev_rows[b] for b in sampled]  # prev's rows of the sampled requests (all on top)
+                src = prows if _in_buffer(prev.draft_q, G.probs) else None
             else:
                 es = [self.draft_probs.get(reqs[b].request_id) for b in sampled]
                 src = [e[1] for e in es] if all(e is not None and _in_buffer(e[0], G.probs) for e in es) else None
@@ -603,8 +604,7 @@ class ModelRunner:
                                       None if prev_rows == list(range(Bc)) else self._index(prev_rows))
         if staged:  # before the target graph, which may use prev.drafts' memory as scratch
             if prev is not None:
-                rows = [prev_rows[b] for b in sampled]
-                idx = slice(0, len(rows)) if rows == list(range(len(rows))) else self._index(rows)
+                idx = slice(0, len(prows)) if prows == list(range(len(prows))) else self._index(prows)
                 dq = prev.draft_q[idx] if prev.draft_q is not None else _one_hot_q(prev.drafts[idx], V)
             else:
                 d = G.input_ids[:Bg * q].view(Bg, q)[:, 1:][self._index(srows)]
