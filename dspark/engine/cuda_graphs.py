@@ -289,10 +289,10 @@ class StepGraphs:
             slot_mapping=self.slot_mapping[:T], block_tables=self.block_tables[:B], seq_lens=self.seq_lens[:B],
             query_start_loc=self.query_start_loc[:B + 1], max_query_len=self.q, max_seq_len=bucket,
         )
-        hidden, taps = r.model(self.input_ids[:T], self.positions[:T], r.backend, meta, r.kv_caches)
+        # the taps straight into their buffer (the concatenation's output: no copy after it)
+        hidden, _ = r.model(self.input_ids[:T], self.positions[:T], r.backend, meta, r.kv_caches,
+                            taps_out=self.taps[:T] if self.taps is not None else None)
         logits = r.model.compute_logits(hidden, out=self.logits[:T])  # [T, V] fp32, every row
-        if taps is not None and self.taps is not None:
-            self.taps[:T].copy_(taps)
         return (logits,)
 
     def _rows(self, B: int, **changes) -> SamplingBatch:
@@ -340,49 +340,40 @@ class StepGraphs:
         logits = self.logits[:B * q].view(B, q, V)
         drafts = self.input_ids[:B * q].view(B, q)[:, 1:]
         nd = self.num_drafts[:B]
+        outs = (self.v_out[:B], self.v_n[:B], self.v_am[:B])  # straight into the buffers: no copies after
         if kind == VERIFY_GREEDY:
-            am = self.runner.sampler.argmax(logits.reshape(-1, V)).view(B, q)
-            out, n_out = verify_greedy_rows(am, drafts, nd)
-        else:
-            s = self._rows(B)
-            t = s.temperature
-            plain = kind == VERIFY_SAMPLED
-            # each request's settings on its q rows (as SamplingBatch.repeat_rows makes them); VERIFY_SAMPLED's
-            # filters are neutral in every row, so they come from constant rows (views: no repeat at replay)
-            keys = ("temperature",) if plain else ("temperature", "top_k", "top_p", "min_p")
-            rep = {k: getattr(s, k).repeat_interleave(q) for k in keys}
-            if plain:
-                rep.update(zip(("top_k", "top_p", "min_p"), (x[:B * q] for x in self._neutral_rows)))
-            r = self.runner
-            method = r.spec.rejection_sample_method
-            if (plain and VERIFY_FROM_LOGITS and B * q >= VERIFY_FROM_LOGITS_MIN_ROWS and r.verify_from_logits
-                    and method in r._fused_verify):
-                # each row's (t, M, Z) and argmax; the kernel makes every p it reads from the logits
-                from dspark.kernels.softmax import temperature_softmax_stats
-
-                stats, am = temperature_softmax_stats(logits.reshape(-1, V), rep["temperature"])
-                am = am.view(B, q)
-                out, n_out = verify_greedy_rows(am, drafts, nd)
-                o, n = r._verify_probabilistic(method, logits, drafts, self.probs, nd, s.seeds, self.num_tokens[:B],
-                                               target_stats=stats.view(B, q, 3), draft_rows=self.q_rows[:B])
-            else:
-                rows = replace(s, **rep, positions=self.num_tokens[:B], all_random=True, no_top_k=plain,
-                               no_top_p=plain, no_min_p=plain)
-                # the processed distributions and every row's argmax (greedy rows' verification) in one go
-                probs, am = r.sampler.probs_argmax(logits.reshape(-1, V), rows)
-                probs, am = probs.view(B, q, V), am.view(B, q)
-                out, n_out = verify_greedy_rows(am, drafts, nd)
-                o, n = r._verify_probabilistic(method, probs, drafts, self.probs, nd, s.seeds, self.num_tokens[:B],
-                                               draft_rows=self.q_rows[:B])
-            pick = t > 0
-            outs = (self.v_out[:B], self.v_n[:B], self.v_am[:B])
-            torch.where(pick.unsqueeze(1), o, out, out=outs[0])  # straight into the buffers: no copies after
-            torch.where(pick, n, n_out, out=outs[1])
-            outs[2].copy_(am)
+            outs[2].copy_(self.runner.sampler.argmax(logits.reshape(-1, V)).view(B, q))
+            verify_greedy_rows(outs[2], drafts, nd, out=outs[0], n_out=outs[1])
             return outs
-        outs = (self.v_out[:B], self.v_n[:B], self.v_am[:B])
-        for buf, v in zip(outs, (out, n_out, am)):
-            buf.copy_(v)
+        s = self._rows(B)
+        plain = kind == VERIFY_SAMPLED
+        # each request's settings on its q rows (as SamplingBatch.repeat_rows makes them); VERIFY_SAMPLED's
+        # filters are neutral in every row, so they come from constant rows (views: no repeat at replay)
+        keys = ("temperature",) if plain else ("temperature", "top_k", "top_p", "min_p")
+        rep = {k: getattr(s, k).repeat_interleave(q) for k in keys}
+        if plain:
+            rep.update(zip(("top_k", "top_p", "min_p"), (x[:B * q] for x in self._neutral_rows)))
+        r = self.runner
+        method = r.spec.rejection_sample_method
+        if (plain and VERIFY_FROM_LOGITS and B * q >= VERIFY_FROM_LOGITS_MIN_ROWS and r.verify_from_logits
+                and method in r._fused_verify):
+            # each row's (t, M, Z) and argmax; the kernel makes every p it reads from the logits
+            from dspark.kernels.softmax import temperature_softmax_stats
+
+            stats, _ = temperature_softmax_stats(logits.reshape(-1, V), rep["temperature"],
+                                                 argmax_out=outs[2].view(-1))
+            o, n = r._verify_probabilistic(method, logits, drafts, self.probs, nd, s.seeds, self.num_tokens[:B],
+                                           target_stats=stats.view(B, q, 3), draft_rows=self.q_rows[:B])
+        else:
+            rows = replace(s, **rep, positions=self.num_tokens[:B], all_random=True, no_top_k=plain,
+                           no_top_p=plain, no_min_p=plain)
+            # the processed distributions and every row's argmax (greedy rows' verification) in one go
+            probs, am = r.sampler.probs_argmax(logits.reshape(-1, V), rows)
+            outs[2].copy_(am.view(B, q))
+            o, n = r._verify_probabilistic(method, probs.view(B, q, V), drafts, self.probs, nd, s.seeds,
+                                           self.num_tokens[:B], draft_rows=self.q_rows[:B])
+        # greedy verification of every row; the rows with temperature > 0 take the sampled outcome (o, n)
+        verify_greedy_rows(outs[2], drafts, nd, sampled=(s.temperature, o, n), out=outs[0], n_out=outs[1])
         return outs
 
     def _sample_step(self, B: int, filtered: bool) -> tuple:

@@ -80,12 +80,19 @@ def _rms_norm_kernel(
         r = tl.load(r_ptr + row * stride_r + h, mask=m, other=0.0)
         x = cast_rtne(x.to(tl.float32) + r.to(tl.float32), x_ptr.dtype.element_ty)  # eager: one add in the dtype
         tl.store(res_ptr + row * stride_res + h, x, mask=m)
+    out = _normed_row(x, w_ptr, h, m, H, eps)
+    tl.store(out_ptr + row * stride_o + h, cast_rtne(out, out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _normed_row(x, w_ptr, h, m, H, eps):
+    """weight * rmsnorm(x) of one row x (BLOCK_H values in the activations' dtype, masked by m) in fp32,
+    for the caller to round to the result dtype: RMSNorm.forward's roundings."""
     xf = x.to(tl.float32)
     inv = tl.math.rsqrt(tl.sum(xf * xf, 0) / H + eps)
-    y = cast_rtne(xf * inv, x_ptr.dtype.element_ty)  # F.rms_norm(x.float()).to(x.dtype)
+    y = cast_rtne(xf * inv, x.dtype)  # F.rms_norm(x.float()).to(x.dtype)
     w = tl.load(w_ptr + h, mask=m, other=0.0)
-    out = y.to(tl.float32) * w.to(tl.float32)  # weight * y, rounded to the result dtype
-    tl.store(out_ptr + row * stride_o + h, cast_rtne(out, out_ptr.dtype.element_ty), mask=m)
+    return y.to(tl.float32) * w.to(tl.float32)  # weight * y, rounded to the result dtype by the caller
 
 
 def _rows(x: Tensor) -> Tensor:
@@ -357,6 +364,59 @@ def store_context_kv_reference(
     v_cache.view(-1, Hkv, D).index_copy_(0, slots[keep], v[keep].to(v_cache.dtype))
 
 
+# ---------------------------------------------------------------- the DSpark drafter's block rows
+@triton.jit
+def _block_inputs_kernel(anc_ptr, apos_ptr, emb_ptr, stride_emb, w_ptr, x_ptr, h_ptr, pos_ptr, key_ptr, G, H,
+                         eps, mask_id, BLOCK_H: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)  # row = b * G + g
+    b = row // G
+    g = row - b * G
+    ap = tl.load(apos_ptr + b)
+    tok = tl.where(g == 0, tl.load(anc_ptr + b), mask_id).to(tl.int64)
+    tl.store(pos_ptr + row, ap + g)
+    if g == 0:
+        tl.store(key_ptr + b, ap + 1)
+    c = tl.arange(0, BLOCK_H)
+    m = c < H
+    e = tl.load(emb_ptr + tok * stride_emb + c, mask=m, other=0.0)
+    tl.store(h_ptr + row * H + c, e, mask=m)
+    tl.store(x_ptr + row * H + c, cast_rtne(_normed_row(e, w_ptr, c, m, H, eps), x_ptr.dtype.element_ty), mask=m)
+
+
+def drafter_block_inputs(anchors: Tensor, anchor_pos: Tensor, embed: Tensor, mask_id: int, G: int,
+                         weight: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """drafter_block_inputs_reference in one launch (it was seven in the drafter graph: a fill, a copy, the
+    embedding, an arange and an add for the positions, the norm, the noise positions' add)."""
+    check_device(anchors)
+    B, H = anchors.shape[0], embed.shape[1]
+    dev = anchors.device
+    h = torch.empty(B * G, H, dtype=embed.dtype, device=dev)
+    x = torch.empty(B * G, H, dtype=torch.promote_types(weight.dtype, embed.dtype), device=dev)
+    pos = torch.empty(B * G + B, dtype=torch.int64, device=dev)  # the rows' positions, then the B noise positions
+    if embed.stride(1) != 1:
+        raise ValueError("the embedding's rows must be contiguous")
+    if B * G:
+        _block_inputs_kernel[(B * G,)](anchors, anchor_pos, embed, embed.stride(0), weight, x, h, pos, pos[B * G:], G,
+                                       H, eps, mask_id, BLOCK_H=next_pow2(H), num_warps=4 if H <= 4096 else 8,
+                                       **_launch_opts(anchors))
+    return x, h, pos[:B * G], pos[B * G:]
+
+
+def drafter_block_inputs_reference(anchors: Tensor, anchor_pos: Tensor, embed: Tensor, mask_id: int, G: int,
+                                   weight: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The rows a DSpark drafter block pass starts from, for B anchors (the last emitted token of each request)
+    at positions anchor_pos, G slots each (row b * G + g): (x = weight * rmsnorm(h) [B·G, H], the embeddings h
+    of the anchor then G - 1 mask tokens, their positions anchor_pos + g [B·G], the draft noise's key
+    positions anchor_pos + 1 [B]) — DSparkDrafter.block_hidden's inputs and its first layer's input norm."""
+    B = anchors.shape[0]
+    tokens = torch.full((B, G), mask_id, dtype=torch.long, device=anchors.device)
+    tokens[:, 0] = anchors
+    h = F.embedding(tokens, embed).view(B * G, embed.shape[1])
+    pos = (anchor_pos[:, None] + torch.arange(G, device=anchors.device)[None, :]).reshape(-1)
+    x = add_rms_norm_reference(h, None, weight, eps)[0]
+    return x, h, pos, anchor_pos + 1
+
+
 # ------------------------------------------------------------------------------------ SwiGLU
 @triton.jit
 def _silu_mul_kernel(x_ptr, stride_x, out_ptr, stride_o, I, PRECISE: tl.constexpr, BLOCK: tl.constexpr):
@@ -406,7 +466,8 @@ def silu_and_mul_reference(gate_up: Tensor) -> Tensor:
 
 
 __all__ = [
-    "add_rms_norm", "add_rms_norm_reference", "rms_norm", "rms_norm_reference",
+    "add_rms_norm", "add_rms_norm_reference", "drafter_block_inputs", "drafter_block_inputs_reference",
+    "rms_norm", "rms_norm_reference",
     "rope_qk", "rope_qk_reference", "rope_qk_cache", "rope_qk_cache_reference", "silu_and_mul", "silu_and_mul_reference",
     "store_context_kv", "store_context_kv_reference",
 ]

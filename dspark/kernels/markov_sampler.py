@@ -716,9 +716,10 @@ def _markov_temp_kernel(
     stat_ptr, stride_stat,  # [B, 2] slice (slot k) of the rows' (max, Σexp(z - max)), for _markov_norm_kernel
     cnt_ptr,  # [B] int32 arrival counters (all 0 between launches)
     tok_ptr, stride_tok,  # [B] int64 output: the slot's draft token
+    tok2_ptr,  # with TOK2: [B] int64, contiguous, the same tokens again (the next slot's bias GEMM gathers W1 by them)
     V, R, NT,
     HAS_MARKOV: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, NT_PAD: tl.constexpr,
-    BIAS_IN: tl.constexpr, PRECISE: tl.constexpr,
+    BIAS_IN: tl.constexpr, PRECISE: tl.constexpr, TOK2: tl.constexpr,
 ):
     """One slot of rows at a temperature only (no filter, no penalty), in one launch: sampled rows' Gumbel-max
     needs no normaliser, so each tile's candidate (the max of z + noise) is taken in the pass that makes z, and
@@ -750,6 +751,8 @@ def _markov_temp_kernel(
         tl.store(cnt_ptr + b, 0)
         tok = _first_argmax(pmax_ptr + b * NT_PAD, pidx_ptr + b * NT_PAD, NT, NT_PAD)
         tl.store(tok_ptr + b * stride_tok, tok.to(tl.int64))
+        if TOK2:
+            tl.store(tok2_ptr + b, tok.to(tl.int64))
         if sampled:
             tt = tl.arange(0, NT_PAD)
             tm = tt < NT
@@ -778,6 +781,17 @@ def _markov_norm_kernel(q_ptr, stat_ptr, flags_ptr, tok_ptr, V, N, BLOCK_V: tl.c
     tl.store(q_ptr + r * V + cols, q, mask=cm)
 
 
+@triton.jit
+def _row_flags_kernel(prob_ptr, temp_ptr, flags_ptr, cnt_ptr, B, BLOCK: tl.constexpr):
+    """_RowSettings' flags (prob | (prob & temperature > 0) << 1) and zeroed arrival counters of B rows."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < B
+    p = (tl.load(prob_ptr + i, mask=m, other=0) != 0).to(tl.int32)
+    hot = (tl.load(temp_ptr + i, mask=m, other=0.0) > 0.0).to(tl.int32)
+    tl.store(flags_ptr + i, p | ((p & hot) << 1), mask=m)
+    tl.store(cnt_ptr + i, tl.zeros_like(p), mask=m)
+
+
 # --------------------------------------------------------------------------------- wrappers
 class _RowSettings:
     """The per-row settings and scratch buffers the two kernels share, for B rows of V logits.
@@ -793,7 +807,14 @@ class _RowSettings:
         self.NT = triton.cdiv(V, block_v)
         self.NT_PAD = next_pow2(self.NT)
         self.temperature = batch.temperature.to(device=dev, dtype=torch.float32)
-        self.flags = prob.to(torch.int32) | ((prob & (self.temperature > 0)).to(torch.int32) << 1)
+        # flags: bit 0 the row's q is the processed distribution (prob), bit 1 it samples (prob, temperature > 0);
+        # cnt: the kernels' arrival counters, 0. One launch (it was seven torch ops in the drafter graph).
+        self.flags = torch.empty(B, dtype=torch.int32, device=dev)
+        self.cnt = torch.empty(B, dtype=torch.int32, device=dev)
+        if B:
+            blk = min(next_pow2(B), 1024)
+            _row_flags_kernel[(triton.cdiv(B, blk),)](prob, self.temperature, self.flags, self.cnt, B, BLOCK=blk,
+                                                     num_warps=4)
         # ``filters`` False (markov_sample's temperature-only slots): no filter settings, no threshold scratch —
         # ops the drafter graph would otherwise replay every step for nothing
         if filters:
@@ -818,7 +839,6 @@ class _RowSettings:
         if filters:
             self.cand = torch.empty(B if any_prob else 1, cap, **f32)
             self.row = torch.empty(B, 4, **f32)
-        self.cnt = torch.zeros(B, dtype=torch.int32, device=dev)
         self.precise = dev.type == "cuda"
         # No fused multiply-adds on the GPU: the penalty arithmetic must round like torch's separate ops.
         self.opts = {"enable_fp_fusion": False} if self.precise else {}
@@ -1025,9 +1045,13 @@ def markov_sample(
     BLOCK_R = min(next_pow2(R), 32)
     stats = torch.empty(B, N, 2, dtype=torch.float32, device=dev) if temp_only else None
     z = None if temp_only else torch.empty(B if any_prob else 1, V, dtype=torch.float32, device=dev)
+    # The bias GEMMs' W1 gathers by the previous slot's tokens: a strided column of ``tokens`` costs an index
+    # kernel twice as slow as a contiguous one's (H100, session 56: 3.9 against 1.7 µs at batch 32), so
+    # _markov_temp_kernel also writes each slot's tokens contiguously here (``chain``, slot-major).
+    chain = torch.empty(N, B, dtype=torch.int64, device=dev) if temp_only and has_markov and bias_gemm else None
 
     for k in range(N):
-        prev = anchors if k == 0 else tokens[:, k - 1]
+        prev = anchors if k == 0 else chain[k - 1] if chain is not None else tokens[:, k - 1]
         base_k = base_logits[:, k]
         tok_k = tokens[:, k]
         # Several rows: one GEMM reads W2 once for all of them (the in-kernel mat-vec would re-read
@@ -1040,9 +1064,9 @@ def markov_sample(
                 base_k, base_k.stride(0), prev, prev.stride(0), w1, w1.stride(0), w2_t, w2_t.stride(0),
                 bias_arg, bias_arg.stride(0), rs.flags, rs.temperature, rs.seeds, key_positions, draft_stream(k),
                 q_k, q_k.stride(0), rs.pmax, rs.pidx, rs.pmz, rs.pse, stats[:, k], stats.stride(0), rs.cnt,
-                tok_k, tok_k.stride(0), V, R, rs.NT,
+                tok_k, tok_k.stride(0), chain[k] if chain is not None else tok_k, V, R, rs.NT,
                 HAS_MARKOV=has_markov, BLOCK_V=block_v, BLOCK_R=BLOCK_R, NT_PAD=rs.NT_PAD, BIAS_IN=bias is not None,
-                PRECISE=rs.precise, num_warps=num_warps, **rs.opts,
+                PRECISE=rs.precise, TOK2=chain is not None, num_warps=num_warps, **rs.opts,
             )
             continue
         _markov_logits_kernel[(B, rs.NT)](

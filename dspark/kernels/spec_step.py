@@ -33,7 +33,8 @@ from dspark.spec.rejection import verify_greedy
 
 # ------------------------------------------------------------------------------ greedy verification
 @triton.jit
-def _verify_greedy_kernel(am_ptr, s_am, d_ptr, s_d, nd_ptr, out_ptr, nout_ptr, N, BLOCK: tl.constexpr):
+def _verify_greedy_kernel(am_ptr, s_am, d_ptr, s_d, nd_ptr, out_ptr, nout_ptr, t_ptr, so_ptr, s_so, sn_ptr, N,
+                          SAMPLED: tl.constexpr, BLOCK: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, BLOCK)
     nd = tl.load(nd_ptr + b).to(tl.int64)
@@ -43,25 +44,51 @@ def _verify_greedy_kernel(am_ptr, s_am, d_ptr, s_d, nd_ptr, out_ptr, nout_ptr, N
     a = tl.min(tl.where(miss, j, BLOCK), axis=0)  # accepted drafts: the first miss
     final = tl.sum(tl.where(j == a, am, 0), axis=0)
     out = tl.where(j < a, dr, tl.where(j == a, final, -1))
+    n = a + 1
+    if SAMPLED:  # a row at temperature > 0 takes the sampled verification's outcome instead
+        if tl.load(t_ptr + b) > 0:
+            out = tl.load(so_ptr + b * s_so + j, mask=j <= N, other=-1).to(tl.int64)
+            n = tl.load(sn_ptr + b).to(tl.int64)
     tl.store(out_ptr + b * (N + 1) + j, out, mask=j <= N)
-    tl.store(nout_ptr + b, a + 1)
+    tl.store(nout_ptr + b, n)
 
 
-def verify_greedy_rows(target_argmax: Tensor, draft_tokens: Tensor, num_drafts: Tensor) -> tuple[Tensor, Tensor]:
+def verify_greedy_rows(target_argmax: Tensor, draft_tokens: Tensor, num_drafts: Tensor, *,
+                       sampled: tuple[Tensor, Tensor, Tensor] | None = None, out: Tensor | None = None,
+                       n_out: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """verify_greedy (spec/rejection.py) in one launch: target_argmax [B, N+1], draft_tokens [B, N]
-    (rows may be strided views), num_drafts [B] -> (tokens [B, N+1] int64 padded with -1, num_emitted [B])."""
+    (rows may be strided views), num_drafts [B] -> (tokens [B, N+1] int64 padded with -1, num_emitted [B]).
+    ``sampled`` (temperature [B], tokens [B, N+1], num_emitted [B]): the rows at temperature > 0 take these
+    (their verification by rejection sampling) instead, as ``torch.where`` would pick them. ``out`` / ``n_out``:
+    contiguous int64 buffers to write to (a CUDA graph's outputs) instead of new tensors."""
     check_device(target_argmax)
     B, n = draft_tokens.shape
     assert target_argmax.shape == (B, n + 1) and target_argmax.stride(1) == 1 and draft_tokens.stride(1) == 1
-    out = torch.empty(B, n + 1, dtype=torch.int64, device=target_argmax.device)
-    n_out = torch.empty(B, dtype=torch.int64, device=target_argmax.device)
+    dev = target_argmax.device
+    out = torch.empty(B, n + 1, dtype=torch.int64, device=dev) if out is None else out
+    n_out = torch.empty(B, dtype=torch.int64, device=dev) if n_out is None else n_out
+    if out.shape != (B, n + 1) or n_out.shape != (B,) or not (out.is_contiguous() and n_out.is_contiguous()) or (
+            out.dtype != torch.int64 or n_out.dtype != torch.int64):
+        raise ValueError(f"out / n_out must be contiguous int64 tensors of shapes {(B, n + 1)} / {(B,)}")
+    t, so, sn = sampled if sampled is not None else (num_drafts, out, n_out)
+    if sampled is not None and (t.shape != (B,) or so.shape != (B, n + 1) or so.stride(1) != 1 or sn.shape != (B,)):
+        raise ValueError(f"sampled must be tensors of shapes {(B,)}, {(B, n + 1)} (rows contiguous), {(B,)}")
     if B:
         _verify_greedy_kernel[(B,)](target_argmax, target_argmax.stride(0), draft_tokens, draft_tokens.stride(0),
-                                    num_drafts, out, n_out, n, BLOCK=next_pow2(n + 1), num_warps=1)
+                                    num_drafts, out, n_out, t, so, so.stride(0), sn, n,
+                                    SAMPLED=sampled is not None, BLOCK=next_pow2(n + 1), num_warps=1)
     return out, n_out
 
 
-verify_greedy_reference = verify_greedy
+def verify_greedy_reference(target_argmax: Tensor, draft_tokens: Tensor, num_drafts: Tensor, *,
+                            sampled: tuple[Tensor, Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+    """verify_greedy's outcome, or with ``sampled`` each row at temperature > 0 that outcome instead."""
+    out, n_out = verify_greedy(target_argmax, draft_tokens, num_drafts)
+    if sampled is not None:
+        t, so, sn = sampled
+        out = torch.where((t > 0).unsqueeze(1), so, out)
+        n_out = torch.where(t > 0, sn, n_out)
+    return out, n_out
 
 
 # ------------------------------------------------------------------- rows of a block launched on top

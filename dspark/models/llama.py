@@ -295,10 +295,12 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
         meta: object,
         kv_caches: torch.Tensor,  # [L, 2, num_blocks, block_size, Hkv, D]
+        taps_out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Returns (final-normed hidden states [T, H], taps [T, len(tap_layers) * H] or None)."""
+        """Returns (final-normed hidden states [T, H], taps [T, len(tap_layers) * H] or None); ``taps_out``: write
+        the taps there (a CUDA graph's buffer: no copy after the concatenation)."""
         if self.fused:
-            return self._forward_fused(input_ids, positions, backend, meta, kv_caches)
+            return self._forward_fused(input_ids, positions, backend, meta, kv_caches, taps_out)
         h = self.embed_tokens(input_ids)
         cos_sin = self.rope.cos_sin(positions, h.dtype)
         taps: dict[int, torch.Tensor] = {}
@@ -306,10 +308,15 @@ class LlamaForCausalLM(nn.Module):
             h = layer(h, cos_sin, backend, meta, kv_caches[i])
             if i in self.tap_layers:
                 taps[i] = h
-        tap = torch.cat([taps[i] for i in self.tap_layers], dim=-1) if taps else None
-        return self.norm(h), tap
+        return self.norm(h), self._taps(taps, taps_out)
 
-    def _forward_fused(self, input_ids, positions, backend, meta, kv_caches):
+    def _taps(self, taps: dict[int, torch.Tensor], out: torch.Tensor | None) -> torch.Tensor | None:
+        if not taps:
+            return None
+        parts = [taps[i] for i in self.tap_layers]
+        return torch.cat(parts, dim=-1) if out is None else torch.cat(parts, dim=-1, out=out)
+
+    def _forward_fused(self, input_ids, positions, backend, meta, kv_caches, taps_out=None):
         """``forward`` on the fused kernels (DecoderLayer.forward_fused). Each add_rms_norm adds a
         layer's MLP output to the residual stream and norms the sum for the next layer (or the final
         norm); the sum it returns is that layer's raw output, the tap, rounded to the activations'
@@ -361,8 +368,7 @@ class LlamaForCausalLM(nn.Module):
                 x, residual = add_rms_norm(mlp_out, residual, norm.weight, norm.eps)  # residual: layer i's output
                 if i in self.tap_layers:
                     taps[i] = residual
-        tap = torch.cat([taps[i] for i in self.tap_layers], dim=-1) if taps else None
-        return x, tap
+        return x, self._taps(taps, taps_out)
 
     def use_gemv_output_major(self, any_device: bool = False) -> bool:
         """Give the GEMV path (forward_gemv) output-major copies ``[N, K]`` (seen ``[K, N]``) of the

@@ -21,6 +21,8 @@ from dspark.kernels import interpreter_ready  # noqa: E402
 from dspark.kernels.fused_ops import (  # noqa: E402
     add_rms_norm,
     add_rms_norm_reference,
+    drafter_block_inputs,
+    drafter_block_inputs_reference,
     rms_norm,
     rope_qk,
     rope_qk_cache,
@@ -193,3 +195,32 @@ def test_store_context_kv_matches_drafter_layer() -> None:
     torch.testing.assert_close(rows[valid], k_ref[valid], rtol=2e-6, atol=2e-6)
     assert torch.equal(v_cache.view(-1, cfg.num_key_value_heads, cfg.head_dim)[slots][valid], v_ref[valid])
     assert bool((rows[~valid] == 0).all())
+
+
+# ------------------------------------------------------------------- the drafter's block rows
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("B", "G", "H"), [(1, 7, 576), (5, 4, 576), (3, 1, 100), (0, 7, 64)])
+def test_drafter_block_inputs(dtype: torch.dtype, B: int, G: int, H: int) -> None:
+    """The block rows of a drafter step in one launch: the anchor's then the mask token's embedding, the first
+    norm of them (exact in bf16, as add_rms_norm), the rows' positions and the draft noise's key positions."""
+    g = torch.Generator().manual_seed(B * 100 + G)
+    V, mask_id = 50, 7
+    embed = (torch.randn(V, H, generator=g) * 3).to(dtype)
+    weight = (torch.rand(H, generator=g) + 0.5).to(dtype)
+    anchors = torch.randint(0, V, (B,), generator=g)
+    anchor_pos = torch.randint(0, 4000, (B,), generator=g)
+    got = drafter_block_inputs(anchors, anchor_pos, embed, mask_id, G, weight, 1e-5)
+    want = drafter_block_inputs_reference(anchors, anchor_pos, embed, mask_id, G, weight, 1e-5)
+    _close(got[0], want[0])
+    for a, b in zip(got[1:], want[1:]):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    if B:  # against the eager modules: nn.Embedding of the block's tokens and RMSNorm.forward
+        tokens = torch.full((B, G), mask_id)
+        tokens[:, 0] = anchors
+        assert torch.equal(got[1], embed[tokens].view(B * G, H))
+        norm = RMSNorm(H, 1e-5).to(dtype)
+        with torch.no_grad():
+            norm.weight.copy_(weight)
+            _close(got[0], norm(embed[tokens].view(B * G, H)))
+        assert got[2].tolist() == [p + k for p in anchor_pos.tolist() for k in range(G)]
+        assert got[3].tolist() == (anchor_pos + 1).tolist()

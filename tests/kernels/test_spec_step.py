@@ -29,6 +29,19 @@ def test_verify_greedy_rows(q: int) -> None:
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert int(got[1][0]) == N + 1  # row 0: every draft accepted
     assert len(set(got[1].tolist())) > 1 or q == 1
+    # rows at temperature > 0 take the sampled verification's outcome, written into given buffers
+    t = torch.where(torch.rand(B, generator=g) < 0.5, 0.0, torch.rand(B, generator=g) + 0.1)
+    t[1] = float("nan")  # not > 0: the greedy outcome, as torch.where(t > 0, ..) picks it
+    so = torch.randint(0, 9, (B, q + 2), generator=g)[:, :q]  # strided rows
+    sn = torch.randint(1, q + 1, (B,), generator=g)
+    out, n_out = torch.full((B, q), -7), torch.full((B,), -7)
+    got = verify_greedy_rows(am, drafts, nd, sampled=(t, so, sn), out=out, n_out=n_out)
+    want = verify_greedy_reference(am, drafts, nd, sampled=(t, so, sn))
+    assert got[0] is out and got[1] is n_out
+    assert torch.equal(out, want[0]) and torch.equal(n_out, want[1])
+    assert 0 < int((t > 0).sum()) < B and not torch.equal(want[0], verify_greedy_reference(am, drafts, nd)[0])
+    with pytest.raises(ValueError, match="out / n_out"):
+        verify_greedy_rows(am, drafts, nd, out=torch.zeros(B, q, dtype=torch.int32))
 
 
 def _graph_inputs(B: int, q: int, bs: int, g: torch.Generator):
