@@ -69,17 +69,21 @@ def cast_rtne(x, dtype: tl.constexpr):
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, stride_x, r_ptr, stride_r, w_ptr, out_ptr, stride_o, res_ptr, stride_res,
-    H, eps,
-    HAS_RES: tl.constexpr, BLOCK_H: tl.constexpr,
+    H, eps, n_keep, group,
+    HAS_RES: tl.constexpr, BLOCK_H: tl.constexpr, SELECT: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    src = row
+    if SELECT:  # output row r is input row r // n_keep * group + r % n_keep (rms_norm_rows; no sum written)
+        src = row // n_keep * group + row % n_keep
     h = tl.arange(0, BLOCK_H)
     m = h < H
-    x = tl.load(x_ptr + row * stride_x + h, mask=m, other=0.0)
+    x = tl.load(x_ptr + src * stride_x + h, mask=m, other=0.0)
     if HAS_RES:
-        r = tl.load(r_ptr + row * stride_r + h, mask=m, other=0.0)
+        r = tl.load(r_ptr + src * stride_r + h, mask=m, other=0.0)
         x = cast_rtne(x.to(tl.float32) + r.to(tl.float32), x_ptr.dtype.element_ty)  # eager: one add in the dtype
-        tl.store(res_ptr + row * stride_res + h, x, mask=m)
+        if not SELECT:
+            tl.store(res_ptr + row * stride_res + h, x, mask=m)
     out = _normed_row(x, w_ptr, h, m, H, eps)
     tl.store(out_ptr + row * stride_o + h, cast_rtne(out, out_ptr.dtype.element_ty), mask=m)
 
@@ -119,10 +123,32 @@ def add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float)
     if T:
         _rms_norm_kernel[(T,)](
             x2, x2.stride(0), res2, res2.stride(0), weight, out2, out2.stride(0), nr2, nr2.stride(0),
-            H, eps, HAS_RES=residual is not None, BLOCK_H=next_pow2(H),
+            H, eps, 1, 1, HAS_RES=residual is not None, BLOCK_H=next_pow2(H), SELECT=False,
             num_warps=4 if H <= 4096 else 8, **_launch_opts(x),
         )
     return out, new_res
+
+
+def rms_norm_rows(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float, n_keep: int, group: int) -> Tensor:
+    """add_rms_norm's normed output of only the first ``n_keep`` rows of every ``group`` rows of x [R, H]
+    (R a multiple of group), [R / group * n_keep, H] contiguous: the drafter's final norm of the slots that
+    draft (their rows straight into the lm_head's input, no copy of a strided selection after the norm)."""
+    check_device(x)
+    H = x.shape[-1]
+    x2 = _rows(x)
+    R = x2.shape[0]
+    if not 0 <= n_keep <= group or group < 1 or R % group:
+        raise ValueError(f"n_keep {n_keep} of every {group} rows: need 0 <= n_keep <= group, group dividing {R} rows")
+    res2 = _rows(residual.to(x.dtype)) if residual is not None else x2
+    T = R // group * n_keep
+    out = torch.empty(T, H, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    if T:
+        _rms_norm_kernel[(T,)](
+            x2, x2.stride(0), res2, res2.stride(0), weight, out, out.stride(0), out, 0,
+            H, eps, n_keep, group, HAS_RES=residual is not None, BLOCK_H=next_pow2(H), SELECT=True,
+            num_warps=4 if H <= 4096 else 8, **_launch_opts(x),
+        )
+    return out
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -467,7 +493,7 @@ def silu_and_mul_reference(gate_up: Tensor) -> Tensor:
 
 __all__ = [
     "add_rms_norm", "add_rms_norm_reference", "drafter_block_inputs", "drafter_block_inputs_reference",
-    "rms_norm", "rms_norm_reference",
+    "rms_norm", "rms_norm_reference", "rms_norm_rows",
     "rope_qk", "rope_qk_reference", "rope_qk_cache", "rope_qk_cache_reference", "silu_and_mul", "silu_and_mul_reference",
     "store_context_kv", "store_context_kv_reference",
 ]

@@ -716,10 +716,10 @@ def _markov_temp_kernel(
     stat_ptr, stride_stat,  # [B, 2] slice (slot k) of the rows' (max, Σexp(z - max)), for _markov_norm_kernel
     cnt_ptr,  # [B] int32 arrival counters (all 0 between launches)
     tok_ptr, stride_tok,  # [B] int64 output: the slot's draft token
-    tok2_ptr,  # with TOK2: [B] int64, contiguous, the same tokens again (the next slot's bias GEMM gathers W1 by them)
+    w1row_ptr,  # with W1_ROWS: [B, R] output, W1's row of each row's token (the next slot's bias GEMM multiplies it)
     V, R, NT,
     HAS_MARKOV: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, NT_PAD: tl.constexpr,
-    BIAS_IN: tl.constexpr, PRECISE: tl.constexpr, TOK2: tl.constexpr,
+    BIAS_IN: tl.constexpr, PRECISE: tl.constexpr, W1_ROWS: tl.constexpr, R_PAD: tl.constexpr,
 ):
     """One slot of rows at a temperature only (no filter, no penalty), in one launch: sampled rows' Gumbel-max
     needs no normaliser, so each tile's candidate (the max of z + noise) is taken in the pass that makes z, and
@@ -751,8 +751,10 @@ def _markov_temp_kernel(
         tl.store(cnt_ptr + b, 0)
         tok = _first_argmax(pmax_ptr + b * NT_PAD, pidx_ptr + b * NT_PAD, NT, NT_PAD)
         tl.store(tok_ptr + b * stride_tok, tok.to(tl.int64))
-        if TOK2:
-            tl.store(tok2_ptr + b, tok.to(tl.int64))
+        if W1_ROWS:
+            rr = tl.arange(0, R_PAD)
+            rm = rr < R
+            tl.store(w1row_ptr + b * R + rr, tl.load(w1_ptr + tok.to(tl.int64) * stride_w1 + rr, mask=rm), mask=rm)
         if sampled:
             tt = tl.arange(0, NT_PAD)
             tm = tt < NT
@@ -1045,18 +1047,22 @@ def markov_sample(
     BLOCK_R = min(next_pow2(R), 32)
     stats = torch.empty(B, N, 2, dtype=torch.float32, device=dev) if temp_only else None
     z = None if temp_only else torch.empty(B if any_prob else 1, V, dtype=torch.float32, device=dev)
-    # The bias GEMMs' W1 gathers by the previous slot's tokens: a strided column of ``tokens`` costs an index
-    # kernel twice as slow as a contiguous one's (H100, session 56: 3.9 against 1.7 µs at batch 32), so
-    # _markov_temp_kernel also writes each slot's tokens contiguously here (``chain``, slot-major).
-    chain = torch.empty(N, B, dtype=torch.int64, device=dev) if temp_only and has_markov and bias_gemm else None
+    # The bias GEMM of slot k > 0 multiplies W1's rows of slot k - 1's tokens: _markov_temp_kernel writes them
+    # (``w1_rows``), instead of an index kernel per slot, which on a strided column of ``tokens`` took 3.9 µs
+    # at batch 32 (H100, session 56; 1.7 µs on a contiguous one). The same values: the same GEMM, the same bias.
+    w1_rows = (torch.empty(max(N - 1, 0), B, R, dtype=w1.dtype, device=dev)
+               if temp_only and has_markov and bias_gemm else None)
 
     for k in range(N):
-        prev = anchors if k == 0 else chain[k - 1] if chain is not None else tokens[:, k - 1]
+        prev = anchors if k == 0 else tokens[:, k - 1]
         base_k = base_logits[:, k]
         tok_k = tokens[:, k]
         # Several rows: one GEMM reads W2 once for all of them (the in-kernel mat-vec would re-read
         # it per row); it is also bit for bit the reference's bias.
-        bias = torch.matmul(F.embedding(prev, w1), w2_t) if has_markov and bias_gemm else None
+        bias = None
+        if has_markov and bias_gemm:
+            bias = torch.matmul(F.embedding(prev, w1) if k == 0 or w1_rows is None else w1_rows[k - 1], w2_t)
+        keep = w1_rows is not None and k < N - 1  # the next slot's W1 rows
         bias_arg = bias if bias is not None else base_k
         if temp_only:
             q_k = probs[:, k] if any_prob else base_k  # never written without sampled rows
@@ -1064,9 +1070,9 @@ def markov_sample(
                 base_k, base_k.stride(0), prev, prev.stride(0), w1, w1.stride(0), w2_t, w2_t.stride(0),
                 bias_arg, bias_arg.stride(0), rs.flags, rs.temperature, rs.seeds, key_positions, draft_stream(k),
                 q_k, q_k.stride(0), rs.pmax, rs.pidx, rs.pmz, rs.pse, stats[:, k], stats.stride(0), rs.cnt,
-                tok_k, tok_k.stride(0), chain[k] if chain is not None else tok_k, V, R, rs.NT,
+                tok_k, tok_k.stride(0), w1_rows[k] if keep else w1, V, R, rs.NT,
                 HAS_MARKOV=has_markov, BLOCK_V=block_v, BLOCK_R=BLOCK_R, NT_PAD=rs.NT_PAD, BIAS_IN=bias is not None,
-                PRECISE=rs.precise, TOK2=chain is not None, num_warps=num_warps, **rs.opts,
+                PRECISE=rs.precise, W1_ROWS=keep, R_PAD=next_pow2(R), num_warps=num_warps, **rs.opts,
             )
             continue
         _markov_logits_kernel[(B, rs.NT)](

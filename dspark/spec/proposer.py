@@ -175,9 +175,12 @@ class DSparkProposer:
         return self._ctx_kv
 
     def _block_hidden_triton(self, anchors: torch.Tensor, anchor_pos: torch.Tensor, block_tables: torch.Tensor,
-                             num_slots: int, max_ctx_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """DSparkDrafter.block_hidden on the fused kernels, [B * num_slots, H] (final-normed), and the draft
-        noise's key positions anchor_pos + 1 [B] (made by the same launch as the block's first rows): each
+                             num_slots: int, max_ctx_len: int | None = None,
+                             num_out: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """DSparkDrafter.block_hidden on the fused kernels, [B * num_slots, H] (final-normed; with ``num_out``
+        only the first num_out slots of each request, [B * num_out, H]: the final norm writes just the rows that
+        draft), and the draft noise's key positions anchor_pos + 1 [B] (made by the same launch as the block's
+        first rows): each
         layer's attention is drafter_attention straight over the paged context cache (no gather, no
         mask), the residual adds are fused into the next RMSNorm (add_rms_norm, as the target's
         forward_fused), q/k norm + RoPE is one kernel (rope_qk), SwiGLU one (silu_and_mul). Per layer:
@@ -187,7 +190,7 @@ class DSparkProposer:
         round differently (see kernels/fewrow.py), so drafts match the other path up to near-ties."""
         from dspark.kernels import fewrow
         from dspark.kernels.drafter_attention import drafter_attention
-        from dspark.kernels.fused_ops import add_rms_norm, drafter_block_inputs, rope_qk, silu_and_mul
+        from dspark.kernels.fused_ops import add_rms_norm, drafter_block_inputs, rms_norm_rows, rope_qk, silu_and_mul
 
         d = self.drafter
         B, G = anchors.shape[0], num_slots
@@ -196,6 +199,9 @@ class DSparkProposer:
         # rows' positions; key_pos (anchor_pos + 1, the draft noise's positions) is for the caller: one launch
         x, h, pos, key_pos = drafter_block_inputs(anchors, anchor_pos, d.embed_tokens.weight, d.config.mask_token_id,
                                                   G, norm.weight, norm.eps)
+        n = G if num_out is None else num_out
+        if not len(d.layers):
+            return x.view(B, G, -1)[:, :n].reshape(B * n, -1), key_pos
         few = (self.fewrow if self.fewrow is not None else anchors.is_cuda) and B * G <= fewrow.ENGINE_MAX_ROWS and all(
             lin.bias is None and not lin.batch_invariant for layer in d.layers
             for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj))
@@ -223,10 +229,14 @@ class DSparkProposer:
                                                     layer.gate_up_proj.weight_t, layer.down_proj.weight_t,
                                                     None if last else norm.weight)
                 if last:
-                    x = add_rms_norm(h, None, d.norm.weight, d.norm.eps)[0]
+                    x = rms_norm_rows(h, None, d.norm.weight, d.norm.eps, n, G)
                 continue
             x, h = add_rms_norm(layer.o_proj(o.view(B * G, qs)), h, post.weight, post.eps)
-            x, h = add_rms_norm(layer.down_proj(silu_and_mul(layer.gate_up_proj(x))), h, norm.weight, norm.eps)
+            mlp = layer.down_proj(silu_and_mul(layer.gate_up_proj(x)))
+            if l + 1 == len(d.layers):
+                x = rms_norm_rows(mlp, h, d.norm.weight, d.norm.eps, n, G)
+            else:
+                x, h = add_rms_norm(mlp, h, norm.weight, norm.eps)
         return x, key_pos
 
     def propose_fixed(self, anchors, anchor_pos, block_tables, num_drafts, batch, prob_mask: torch.Tensor,
@@ -251,9 +261,9 @@ class DSparkProposer:
 
         d = self.drafter
         B, G = anchors.shape[0], self.num_slots
-        h, key_pos = self._block_hidden_triton(anchors, anchor_pos, block_tables, G, max_ctx_len)
-        h = h.view(B, G, -1)
-        U = self.logits(h[:, :num_drafts].reshape(B * num_drafts, -1)).view(B, num_drafts, -1)  # [B, N, V] fp32
+        h, key_pos = self._block_hidden_triton(anchors, anchor_pos, block_tables, G, max_ctx_len, num_out=num_drafts)
+        U = self.logits(h).view(B, num_drafts, -1)  # [B, N, V] fp32
+        h = h.view(B, num_drafts, -1)
         w1 = d.markov_w1.weight if d.markov_w1 is not None else None
         w2_t = d.markov_w2.weight_t if d.markov_w2 is not None else None
         tokens, probs = markov_sample(U, anchors, w1, w2_t, batch, key_pos, list(probabilistic),

@@ -24,6 +24,7 @@ from dspark.kernels.fused_ops import (  # noqa: E402
     drafter_block_inputs,
     drafter_block_inputs_reference,
     rms_norm,
+    rms_norm_rows,
     rope_qk,
     rope_qk_cache,
     rope_qk_cache_reference,
@@ -224,3 +225,22 @@ def test_drafter_block_inputs(dtype: torch.dtype, B: int, G: int, H: int) -> Non
             _close(got[0], norm(embed[tokens].view(B * G, H)))
         assert got[2].tolist() == [p + k for p in anchor_pos.tolist() for k in range(G)]
         assert got[3].tolist() == (anchor_pos + 1).tolist()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("B", "G", "n"), [(3, 7, 3), (2, 4, 4), (4, 5, 1), (1, 3, 0)])
+def test_rms_norm_rows(dtype: torch.dtype, B: int, G: int, n: int) -> None:
+    """The first n rows of every G, normed after the residual add: add_rms_norm's rows, selected."""
+    g = torch.Generator().manual_seed(B * 10 + G + n)
+    H = 576
+    x = torch.randn(B * G, H, generator=g).to(dtype)
+    res = (torch.randn(B * G, H, generator=g) * 4).to(dtype)
+    w = (torch.rand(H, generator=g) + 0.5).to(dtype)
+    keep = (torch.arange(B * G) % G) < n
+    for r in (res, None):
+        got = rms_norm_rows(x, r, w, 1e-5, n, G)
+        want = add_rms_norm_reference(x, r, w, 1e-5)[0][keep]
+        assert got.shape == (B * n, H) and got.is_contiguous()
+        _close(got, want)
+    with pytest.raises(ValueError, match="n_keep"):
+        rms_norm_rows(x, res, w, 1e-5, G + 1, G)
