@@ -169,13 +169,14 @@ class StepGraphs:
         # Device inputs, packed by type, from pinned host twins (the numpy views ``_h*``):
         #   ints  [input ids (Tm) | positions (Tm) | slots (Tm) | anchors (Bm) | anchor pos (Bm) | top-k (Bm)
         #          | seeds (Bm) | drafts to verify (Bm) | tokens before the step (Bm) | each row's q row (Bm)]
-        #   floats [temperature (Bm) | top-p (Bm) | min-p (Bm)]     flags [valid rows (Tm) | probabilistic (Bm)]
+        #   floats [temperature (Bm) | top-p (Bm) | min-p (Bm) | each row's temperature (Tm)]
+        #   flags [valid rows (Tm) | probabilistic (Bm)]
         # and all five are views of one byte buffer, block tables last, so that a whole step's inputs go
         # over in **one** host->device copy (``upload``: the bytes up to the batch's last block-table row).
         # Why: each copy is a separate operation on the stream, several µs of device time however small
         # (session 37, CUDA events between the pieces of a batch-1 step: 5-12 µs for each small copy or
         # kernel outside the graphs), and ~10 µs of the host's time; a DSpark step queued five of them.
-        shapes = [(torch.float32, (3 * Bm,)), (torch.int32, (Bm,)), (torch.bool, (Tm + Bm,)),
+        shapes = [(torch.float32, (3 * Bm + Tm,)), (torch.int32, (Bm,)), (torch.bool, (Tm + Bm,)),
                   (torch.int64, (3 * Tm + 7 * Bm,)), (torch.int64, (Bm, self.width))]
         offsets, n = [], 0
         for dt, shape in shapes:
@@ -210,6 +211,9 @@ class StepGraphs:
         (self.anchors, self.anchor_pos, top_k, seeds, self.num_drafts, self.num_tokens,
          self.q_rows) = (self.ints[3 * Tm + i * Bm:3 * Tm + (i + 1) * Bm] for i in range(7))
         temperature, top_p, min_p = (self.floats[i * Bm:(i + 1) * Bm] for i in range(3))
+        # request b's temperature on its q rows (verification's softmax; written by prepare_sampling, not repeated
+        # on the device at every replay)
+        self.row_temperature = self.floats[3 * Bm:3 * Bm + Tm]
         self.valid, self.prob_mask = self.flags[:Tm], self.flags[Tm:]
         self.query_start_loc = (torch.arange(Bm + 1, dtype=torch.int32) * q).to(dev)
         self.ones = torch.ones(Bm, dtype=torch.int64, device=dev)  # one token emitted per plain decode row
@@ -350,7 +354,8 @@ class StepGraphs:
         # each request's settings on its q rows (as SamplingBatch.repeat_rows makes them); VERIFY_SAMPLED's
         # filters are neutral in every row, so they come from constant rows (views: no repeat at replay)
         keys = ("temperature",) if plain else ("temperature", "top_k", "top_p", "min_p")
-        rep = {k: getattr(s, k).repeat_interleave(q) for k in keys}
+        rep = {k: getattr(s, k).repeat_interleave(q) for k in keys[1:]}
+        rep["temperature"] = self.row_temperature[:B * q]
         if plain:
             rep.update(zip(("top_k", "top_p", "min_p"), (x[:B * q] for x in self._neutral_rows)))
         r = self.runner
@@ -623,6 +628,7 @@ class StepGraphs:
         base = 3 * Tm
         tk, sd = hi[base + 2 * Bm:base + 2 * Bm + Bg], hi[base + 3 * Bm:base + 3 * Bm + Bg]
         temp, tp, mp = (hf[i * Bm:i * Bm + Bg] for i in range(3))
+        trow = hf[3 * Bm:3 * Bm + Bg * self.q]
         pm = hb[Tm:Tm + Bg]
         tk[:] = V
         temp[:] = 0.0
@@ -634,6 +640,7 @@ class StepGraphs:
             pm[rows] = prob
             vals = np.array([sampling_row(p, V) for p in params], dtype=np.float64)  # [n, 4]
             temp[rows], tk[rows], tp[rows], mp[rows] = vals[:, 0], vals[:, 1], vals[:, 2], vals[:, 3]
+        trow[:] = np.repeat(temp, self.q)
 
     def upload(self, Bg: int, target: bool = True, drafter: bool = True) -> None:
         """Copy the prepared host buffers to the device (asynchronously, from pinned memory; the
