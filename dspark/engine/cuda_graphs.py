@@ -168,7 +168,8 @@ class StepGraphs:
         pin = dev.type == "cuda"
         # Device inputs, packed by type, from pinned host twins (the numpy views ``_h*``):
         #   ints  [input ids (Tm) | positions (Tm) | slots (Tm) | anchors (Bm) | anchor pos (Bm) | top-k (Bm)
-        #          | seeds (Bm) | drafts to verify (Bm) | tokens before the step (Bm) | each row's q row (Bm)]
+        #          | seeds (Bm) | drafts to verify (Bm) | tokens before the step (Bm) | each row's q row (Bm)
+        #          | each row's row in the step below (Bm)]
         #   floats [temperature (Bm) | top-p (Bm) | min-p (Bm) | each row's temperature (Tm)]
         #   flags [valid rows (Tm) | probabilistic (Bm)]
         # and all five are views of one byte buffer, block tables last, so that a whole step's inputs go
@@ -177,7 +178,7 @@ class StepGraphs:
         # (session 37, CUDA events between the pieces of a batch-1 step: 5-12 µs for each small copy or
         # kernel outside the graphs), and ~10 µs of the host's time; a DSpark step queued five of them.
         shapes = [(torch.float32, (3 * Bm + Tm,)), (torch.int32, (Bm,)), (torch.bool, (Tm + Bm,)),
-                  (torch.int64, (3 * Tm + 7 * Bm,)), (torch.int64, (Bm, self.width))]
+                  (torch.int64, (3 * Tm + 8 * Bm,)), (torch.int64, (Bm, self.width))]
         offsets, n = [], 0
         for dt, shape in shapes:
             offsets.append(n)
@@ -208,8 +209,8 @@ class StepGraphs:
         # so their ids stay theirs): a step with the same rows, requests and flags skips the rewrite
         self._sampling_written: list[tuple | None] = [None, None]
         self.input_ids, self.positions, self.slot_mapping = (self.ints[i * Tm:(i + 1) * Tm] for i in range(3))
-        (self.anchors, self.anchor_pos, top_k, seeds, self.num_drafts, self.num_tokens,
-         self.q_rows) = (self.ints[3 * Tm + i * Bm:3 * Tm + (i + 1) * Bm] for i in range(7))
+        (self.anchors, self.anchor_pos, top_k, seeds, self.num_drafts, self.num_tokens, self.q_rows,
+         self.prev_rows) = (self.ints[3 * Tm + i * Bm:3 * Tm + (i + 1) * Bm] for i in range(8))
         temperature, top_p, min_p = (self.floats[i * Bm:(i + 1) * Bm] for i in range(3))
         # request b's temperature on its q rows (verification's softmax; written by prepare_sampling, not repeated
         # on the device at every replay)
@@ -694,6 +695,13 @@ class StepGraphs:
         graph's row of the request, or ``staged`` + j after ``stage_q``), read by the sampled verification graph."""
         off = 3 * self.max_rows + 6 * self.max_batch
         self._hi[off:off + self.max_batch][rows] = src
+
+    def write_prev_rows(self, rows: list[int]) -> torch.Tensor:
+        """Before ``upload``: request b's row in the step below is rows[b] (rows_from_previous_step's ``idx``),
+        uploaded with the step's other inputs instead of in an index copy of its own. Returns the device view."""
+        off = 3 * self.max_rows + 7 * self.max_batch
+        self._hi[off:off + len(rows)] = rows
+        return self.prev_rows[:len(rows)]
 
     def stage_q(self, dq: torch.Tensor) -> None:
         """Copy the q [S, >= N, V] of drafts whose q is not in the drafter graph's rows (one-hot q of greedy

@@ -596,12 +596,13 @@ class ModelRunner:
                 src = [e[1] for e in es] if all(e is not None and _in_buffer(e[0], G.probs) for e in es) else None
             staged = src is None
             G.write_q_rows(srows, list(range(G.staged, G.staged + len(srows))) if staged else src)
+        moved = None  # each request's row in prev where they moved (requests ended, admitted): uploaded below
+        if prev is not None and prev_rows != list(range(len(prev_rows))):
+            moved = G.write_prev_rows(prev_rows)
         G.upload(Bg)
         if prev is not None:
             prev.followed = True
-            Bc = len(prev_rows)
-            G.rows_from_previous_step(Bc, prev.n_out, prev.tokens, prev.drafts,
-                                      None if prev_rows == list(range(Bc)) else self._index(prev_rows))
+            G.rows_from_previous_step(len(prev_rows), prev.n_out, prev.tokens, prev.drafts, moved)
         if staged:  # before the target graph, which may use prev.drafts' memory as scratch
             if prev is not None:
                 idx = slice(0, len(prows)) if prows == list(range(len(prows))) else self._index(prows)
