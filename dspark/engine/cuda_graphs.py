@@ -352,13 +352,15 @@ class StepGraphs:
             return outs
         s = self._rows(B)
         plain = kind == VERIFY_SAMPLED
-        # each request's settings on its q rows (as SamplingBatch.repeat_rows makes them); VERIFY_SAMPLED's
-        # filters are neutral in every row, so they come from constant rows (views: no repeat at replay)
-        keys = ("temperature",) if plain else ("temperature", "top_k", "top_p", "min_p")
-        rep = {k: getattr(s, k).repeat_interleave(q) for k in keys[1:]}
-        rep["temperature"] = self.row_temperature[:B * q]
+        # each request's settings on its q rows (as SamplingBatch.repeat_rows makes them): the temperature uploaded
+        # so (row_temperature); VERIFY_SAMPLED's filters are neutral in every row, so they come from constant rows
+        # (views: no repeat at replay), VERIFY_FILTERED's are repeated here
+        filters = ("top_k", "top_p", "min_p")
         if plain:
-            rep.update(zip(("top_k", "top_p", "min_p"), (x[:B * q] for x in self._neutral_rows)))
+            rep = dict(zip(filters, (x[:B * q] for x in self._neutral_rows)))
+        else:
+            rep = {k: getattr(s, k).repeat_interleave(q) for k in filters}
+        rep["temperature"] = self.row_temperature[:B * q]
         r = self.runner
         method = r.spec.rejection_sample_method
         if (plain and VERIFY_FROM_LOGITS and B * q >= VERIFY_FROM_LOGITS_MIN_ROWS and r.verify_from_logits
