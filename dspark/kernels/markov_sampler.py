@@ -1048,8 +1048,9 @@ def markov_sample(
     stats = torch.empty(B, N, 2, dtype=torch.float32, device=dev) if temp_only else None
     z = None if temp_only else torch.empty(B if any_prob else 1, V, dtype=torch.float32, device=dev)
     # The bias GEMM of slot k > 0 multiplies W1's rows of slot k - 1's tokens: _markov_temp_kernel writes them
-    # (``w1_rows``), instead of an index kernel per slot, which on a strided column of ``tokens`` took 3.9 µs
-    # at batch 32 (H100, session 56; 1.7 µs on a contiguous one). The same values: the same GEMM, the same bias.
+    # (``w1_rows``), instead of an index kernel per slot (on a strided column of ``tokens``: most likely the two
+    # 3.9 µs scatter/gather kernels of session 56's batch-32 drafter graph, against 1.7 µs for the contiguous
+    # anchors' gather). The same values: the same GEMM, the same bias.
     w1_rows = (torch.empty(max(N - 1, 0), B, R, dtype=w1.dtype, device=dev)
                if temp_only and has_markov and bias_gemm else None)
 
