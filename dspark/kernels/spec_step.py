@@ -44,7 +44,7 @@ def _verify_greedy_kernel(am_ptr, s_am, d_ptr, s_d, nd_ptr, out_ptr, nout_ptr, t
     a = tl.min(tl.where(miss, j, BLOCK), axis=0)  # accepted drafts: the first miss
     final = tl.sum(tl.where(j == a, am, 0), axis=0)
     out = tl.where(j < a, dr, tl.where(j == a, final, -1))
-    n = a + 1
+    n = (a + 1).to(tl.int64)  # int64 as the sampled branch's (a type both branches of an if must keep on a GPU)
     if SAMPLED:  # a row at temperature > 0 takes the sampled verification's outcome instead
         if tl.load(t_ptr + b) > 0:
             out = tl.load(so_ptr + b * s_so + j, mask=j <= N, other=-1).to(tl.int64)
