@@ -12,6 +12,16 @@ Usage:
       --constexprs '{"GAMMA": 5, "G": 32, ...}' [--types '{"out_ptr": "*fp32"}'] [--warps 4] [--stages 2] [--arch 90]
   python benchmarks/offline_compile.py --drafter-seed     # the drafter kernel's default launches at seed 001's shape
   python benchmarks/offline_compile.py --fewrow           # the few-row products' launches at row tiles 16-128
+  python benchmarks/offline_compile.py --engine [--dtype bfloat16]   # every distinct launch a tiny engine makes
+
+--engine runs a tiny random Llama with a random DSpark drafter on this CPU (Triton's interpreter, CUDA-graph steps
+uncaptured, one-sync steps: greedy and seeded sampled requests, probabilistic and greedy drafts, block and standard
+verification, verification from logits, then without speculation), records each distinct launch (the kernel, its
+arguments' types, its constexprs, warps and stages) and compiles every one for sm_90. Why: session 57 changed kernels
+that only the interpreter ran; one of them (``_verify_greedy_kernel``'s sampled rows) did not compile for a GPU — a
+value whose type differs between an ``if``'s branches, which the interpreter accepts — and would have failed the next
+GPU session's first graph capture. Launches behind CUDA-only gates (the few-row products, the plain-sampling and
+filter kernels, GEMVs) are not made on a CPU: --fewrow covers the few-row ones.
 
 Argument types, unless --types says otherwise: ``*_ptr`` -> ``*bf16``, ``qk_scale``/``scale`` -> ``fp32``, an
 UPPER_CASE name -> a constexpr (its value from --constexprs), any other -> ``i64``. Prints one JSON line per compile.
@@ -31,8 +41,9 @@ import tempfile
 from pathlib import Path
 
 # Compiled, not interpreted: Triton reads this when first imported, and dspark.kernels turns the interpreter on for a
-# machine without CUDA unless triton was imported before it.
-os.environ.pop("TRITON_INTERPRET", None)
+# machine without CUDA unless triton was imported before it. (--engine's recording subprocess runs interpreted.)
+if "--record-engine" not in sys.argv:
+    os.environ.pop("TRITON_INTERPRET", None)
 import triton  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -154,6 +165,92 @@ def fewrow_reports(arch: int = 90, row_tiles: tuple[int, ...] = (16, 32, 64, 128
     return reports
 
 
+_TORCH_TYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64", "int64": "i64",
+                "int32": "i32", "int16": "i16", "int8": "i8", "uint8": "u8", "bool": "i1"}
+
+
+def record_engine_launches(path: str, dtype: str) -> None:
+    """(In Triton's interpreter.) Run the tiny engines of --engine and write each distinct launch to ``path``
+    (JSON: [module, kernel, {argument: type}, {constexpr: value}, warps, stages, launches])."""
+    import torch
+    from triton.runtime import interpreter
+
+    from dspark import LLM, SamplingParams
+    from dspark.config import ModelConfig
+    from dspark.engine import cuda_graphs
+    from dspark.models.dspark_drafter import (DrafterConfig, drafter_config_dict, random_drafter_state_dict,
+                                              write_drafter)
+    from tests.conftest import write_tiny_checkpoint
+
+    seen: dict[str, int] = {}
+    run = interpreter.InterpretedFunction.run
+
+    def recording_run(self, *args, grid, warmup, **kwargs):
+        params = inspect.signature(self.fn).parameters
+        values = {**dict(zip(params, args)), **{k: v for k, v in kwargs.items() if k in params}}
+        types, consts = {}, {}
+        for name, prm in params.items():
+            v = values.get(name, prm.default)
+            if "constexpr" in str(self.fn.__annotations__.get(name, "")) or v is None:
+                types[name], consts[name] = "constexpr", v if v is None or isinstance(v, (bool, int, float, str)) else str(v)
+            elif isinstance(v, torch.Tensor):
+                types[name] = "*" + _TORCH_TYPES[str(v.dtype).removeprefix("torch.")]
+            elif isinstance(v, bool):
+                types[name] = "i1"
+            elif isinstance(v, int):  # as Triton's launcher types an int argument
+                types[name] = "i32" if -2**31 <= v < 2**31 else "i64"
+            else:
+                types[name] = "fp32"
+        key = json.dumps([self.fn.__module__, self.fn.__name__, types, consts, kwargs.get("num_warps", 4),
+                          kwargs.get("num_stages", 3)])
+        seen[key] = seen.get(key, 0) + 1
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    interpreter.InterpretedFunction.run = recording_run
+    cuda_graphs.VERIFY_FROM_LOGITS_MIN_ROWS = 0  # the verification from logits too (a GPU's 128-row steps take it)
+    root = Path(tempfile.mkdtemp())
+    target = write_tiny_checkpoint(root / "t", "llama", seed=3, tie_word_embeddings=True, initializer_range=0.1)
+    tc = ModelConfig.from_hf(json.loads((target / "config.json").read_text()))
+    cfg = drafter_config_dict(tc, target_layer_ids=[0], block_size=4, mask_token_id=3, markov_rank=tc.vocab_size)
+    drafter = write_drafter(root / "d", cfg, random_drafter_state_dict(DrafterConfig.from_dict(cfg), 0, std=0.2))
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(4, 512, (n,), generator=g).tolist() for n in (3, 9, 26)]
+    params = [SamplingParams(temperature=1.0, seed=1, max_tokens=8, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
+              SamplingParams(temperature=0.6, seed=9, max_tokens=8, ignore_eos=True)]
+    for spec in ({"draft_sample_method": "probabilistic", "rejection_sample_method": "block"},
+                 {"draft_sample_method": "greedy", "rejection_sample_method": "standard"}, None):
+        kw = {"speculative_config": {"model": str(drafter), **spec}} if spec else {}
+        llm = LLM(str(target), device="cpu", dtype=dtype, block_size=4, num_kv_blocks=128, attention_backend="triton",
+                  max_num_seqs=4, async_scheduling=True, **kw)
+        llm.engine.runner.enable_graphs(capture=False, batch_sizes=[2, 4], buckets=[64, 128])
+        llm.engine.runner.one_sync_sampled = spec is not None
+        for p, sp in zip(prompts, params):
+            llm.engine.add_request(p, sp)
+        while llm.engine.has_unfinished():
+            llm.engine.step()
+    Path(path).write_text(json.dumps([json.loads(k) + [n] for k, n in seen.items()]))
+
+
+def engine_reports(arch: int = 90, dtype: str = "bfloat16") -> list[dict]:
+    """--engine: record the tiny engines' launches in a subprocess under Triton's interpreter, then compile each
+    distinct launch for sm_<arch> here."""
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "launches.json")
+        r = subprocess.run([sys.executable, __file__, "--record-engine", path, "--dtype", dtype],
+                           env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"recording the engine's launches failed: {r.stderr[-3000:]}")
+        launches = json.loads(Path(path).read_text())
+    reports = []
+    for module, name, types, consts, warps, stages, count in launches:
+        fn = getattr(importlib.import_module(module), name)
+        types = {k: types[k] for k in inspect.signature(fn.fn).parameters}  # the kernel's argument order
+        rep = compile_report(fn, consts, types, warps, stages, arch)
+        reports.append({**rep, "constexprs": {k: v for k, v in consts.items() if v is not None}, "launches": count})
+    return reports
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument("--kernel", help="module:function of a @triton.jit kernel")
@@ -166,8 +263,17 @@ def main() -> None:
                     help="the drafter kernel's default launches at seed 001's shape instead of --kernel")
     ap.add_argument("--fewrow", action="store_true",
                     help="kernels/fewrow.py's four SmolLM2 products at their default launches, row tiles 16-128")
+    ap.add_argument("--engine", action="store_true",
+                    help="every distinct launch of a tiny engine's steps (module docstring), each compiled")
+    ap.add_argument("--dtype", default="bfloat16", help="--engine: the engine's dtype")
+    ap.add_argument("--record-engine", metavar="PATH", help=argparse.SUPPRESS)  # --engine's recording subprocess
     args = ap.parse_args()
-    if args.drafter_seed:
+    if args.record_engine:
+        record_engine_launches(args.record_engine, args.dtype)
+        return
+    if args.engine:
+        reports = engine_reports(args.arch, args.dtype)
+    elif args.drafter_seed:
         reports = drafter_seed_reports(args.arch)
     elif args.fewrow:
         reports = fewrow_reports(args.arch)
@@ -177,7 +283,7 @@ def main() -> None:
         reports = [compile_report(fn, json.loads(args.constexprs), json.loads(args.types), args.warps, args.stages,
                                   args.arch)]
     else:
-        ap.error("give --kernel or --drafter-seed")
+        ap.error("give --kernel, --drafter-seed, --fewrow or --engine")
     for rep in reports:
         print(json.dumps(rep), flush=True)
     if any("error" in rep for rep in reports):

@@ -56,3 +56,22 @@ def test_fewrow_row_tiles_compile_and_128_rows_do_not_spill():
     assert all(rep["wgmma"] for rep in reps if rep["row_tile"] >= 64)
     big = [rep for rep in reps if rep["row_tile"] == 128]
     assert all(rep["num_warps"] == 8 and rep["spill_stores"] == 0 for rep in big), big
+
+
+def test_every_engine_launch_compiles_for_sm90():
+    """--engine: every distinct launch of the tiny engines' one-sync DSpark steps (probabilistic and greedy drafts,
+    block and standard verification, from logits) and plain steps, recorded under the interpreter, compiles for
+    sm_90. Session 57's ``_verify_greedy_kernel`` with sampled rows did not (a value int32 before an ``if`` and
+    int64 in it: the interpreter accepts that, Triton's compiler does not); this test fails on that code."""
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "offline_compile.py"), "--engine"],
+                       capture_output=True, text=True, timeout=1200, cwd=ROOT)
+    reps = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert reps, r.stderr[-3000:]
+    assert r.returncode == 0 and not [rep for rep in reps if "error" in rep], [rep for rep in reps if "error" in rep]
+    launched = {(rep["kernel"], key, rep["constexprs"].get(key)) for rep in reps for key in rep["constexprs"]}
+    for want in [("_verify_greedy_kernel", "SAMPLED", True), ("_markov_temp_kernel", "W1_ROWS", True),
+                 ("_rms_norm_kernel", "SELECT", True), ("_verify_block_kernel", "FROM_LOGITS", True),
+                 ("_verify_standard_kernel", "Q_ROWS", True), ("_shift_rows_kernel", "HAS_IDX", True)]:
+        assert want in launched, want
+    assert {"_block_inputs_kernel", "_row_flags_kernel", "_drafter_attention_kernel", "_paged_attention_kernel",
+            "_stats_kernel", "_drafter_inputs_kernel"} <= {rep["kernel"] for rep in reps}
