@@ -192,7 +192,8 @@ def record_engine_launches(path: str, dtype: str) -> None:
         for name, prm in params.items():
             v = values.get(name, prm.default)
             if "constexpr" in str(self.fn.__annotations__.get(name, "")) or v is None:
-                types[name], consts[name] = "constexpr", v if v is None or isinstance(v, (bool, int, float, str)) else str(v)
+                types[name] = "constexpr"
+                consts[name] = v if v is None or isinstance(v, (bool, int, float, str)) else str(v)
             elif isinstance(v, torch.Tensor):
                 types[name] = "*" + _TORCH_TYPES[str(v.dtype).removeprefix("torch.")]
             elif isinstance(v, bool):
