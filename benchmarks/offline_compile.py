@@ -21,7 +21,9 @@ arguments' types, its constexprs, warps and stages) and compiles every one for s
 that only the interpreter ran; one of them (``_verify_greedy_kernel``'s sampled rows) did not compile for a GPU — a
 value whose type differs between an ``if``'s branches, which the interpreter accepts — and would have failed the next
 GPU session's first graph capture. Launches behind CUDA-only gates (the few-row products, the plain-sampling and
-filter kernels, GEMVs) are not made on a CPU: --fewrow covers the few-row ones.
+filter kernels, GEMVs) are not made on a CPU: --fewrow covers the few-row ones. Wider, any tests' launches:
+    DSPARK_RECORD_LAUNCHES=/tmp/l.json python -m pytest tests/kernels -p no:xdist    (tests/conftest.py records)
+    python benchmarks/offline_compile.py --launches /tmp/l.json
 
 Argument types, unless --types says otherwise: ``*_ptr`` -> ``*bf16``, ``qk_scale``/``scale`` -> ``fp32``, an
 UPPER_CASE name -> a constexpr (its value from --constexprs), any other -> ``i64``. Prints one JSON line per compile.
@@ -41,8 +43,9 @@ import tempfile
 from pathlib import Path
 
 # Compiled, not interpreted: Triton reads this when first imported, and dspark.kernels turns the interpreter on for a
-# machine without CUDA unless triton was imported before it. (--engine's recording subprocess runs interpreted.)
-if "--record-engine" not in sys.argv:
+# machine without CUDA unless triton was imported before it. (--engine's recording subprocess runs interpreted, and so
+# do tests importing record_launches.)
+if __name__ == "__main__" and "--record-engine" not in sys.argv:
     os.environ.pop("TRITON_INTERPRET", None)
 import triton  # noqa: E402
 
@@ -169,18 +172,11 @@ _TORCH_TYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float
                 "int32": "i32", "int16": "i16", "int8": "i8", "uint8": "u8", "bool": "i1"}
 
 
-def record_engine_launches(path: str, dtype: str) -> None:
-    """(In Triton's interpreter.) Run the tiny engines of --engine and write each distinct launch to ``path``
-    (JSON: [module, kernel, {argument: type}, {constexpr: value}, warps, stages, launches])."""
+def record_launches() -> dict[str, int]:
+    """(In Triton's interpreter.) From now on count each distinct kernel launch: {JSON of [module, kernel, {argument:
+    type}, {constexpr: value}, warps, stages]: launches}, the dict returned (filled as launches happen)."""
     import torch
     from triton.runtime import interpreter
-
-    from dspark import LLM, SamplingParams
-    from dspark.config import ModelConfig
-    from dspark.engine import cuda_graphs
-    from dspark.models.dspark_drafter import (DrafterConfig, drafter_config_dict, random_drafter_state_dict,
-                                              write_drafter)
-    from tests.conftest import write_tiny_checkpoint
 
     seen: dict[str, int] = {}
     run = interpreter.InterpretedFunction.run
@@ -208,6 +204,26 @@ def record_engine_launches(path: str, dtype: str) -> None:
         return run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     interpreter.InterpretedFunction.run = recording_run
+    return seen
+
+
+def write_launches(seen: dict[str, int], path: str) -> None:
+    Path(path).write_text(json.dumps([json.loads(k) + [n] for k, n in seen.items()]))
+
+
+def record_engine_launches(path: str, dtype: str) -> None:
+    """(In Triton's interpreter.) Run the tiny engines of --engine and write each distinct launch to ``path``
+    (JSON: [module, kernel, {argument: type}, {constexpr: value}, warps, stages, launches])."""
+    import torch
+
+    from dspark import LLM, SamplingParams
+    from dspark.config import ModelConfig
+    from dspark.engine import cuda_graphs
+    from dspark.models.dspark_drafter import (DrafterConfig, drafter_config_dict, random_drafter_state_dict,
+                                              write_drafter)
+    from tests.conftest import write_tiny_checkpoint
+
+    seen = record_launches()
     cuda_graphs.VERIFY_FROM_LOGITS_MIN_ROWS = 0  # the verification from logits too (a GPU's 128-row steps take it)
     root = Path(tempfile.mkdtemp())
     target = write_tiny_checkpoint(root / "t", "llama", seed=3, tie_word_embeddings=True, initializer_range=0.1)
@@ -230,7 +246,20 @@ def record_engine_launches(path: str, dtype: str) -> None:
             llm.engine.add_request(p, sp)
         while llm.engine.has_unfinished():
             llm.engine.step()
-    Path(path).write_text(json.dumps([json.loads(k) + [n] for k, n in seen.items()]))
+    write_launches(seen, path)
+
+
+def compile_launches(path: str, arch: int = 90) -> list[dict]:
+    """Compile each launch of a file that record_launches' counts were written to (write_launches)."""
+    reports = []
+    for module, name, types, consts, warps, stages, count in json.loads(Path(path).read_text()):
+        if not module.startswith("dspark."):  # kernels the tests define themselves
+            continue
+        fn = getattr(importlib.import_module(module), name)
+        types = {k: types[k] for k in inspect.signature(fn.fn).parameters}  # the kernel's argument order
+        rep = compile_report(fn, consts, types, warps, stages, arch)
+        reports.append({**rep, "constexprs": {k: v for k, v in consts.items() if v is not None}, "launches": count})
+    return reports
 
 
 def engine_reports(arch: int = 90, dtype: str = "bfloat16") -> list[dict]:
@@ -242,14 +271,7 @@ def engine_reports(arch: int = 90, dtype: str = "bfloat16") -> list[dict]:
                            env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True)
         if r.returncode != 0:
             raise RuntimeError(f"recording the engine's launches failed: {r.stderr[-3000:]}")
-        launches = json.loads(Path(path).read_text())
-    reports = []
-    for module, name, types, consts, warps, stages, count in launches:
-        fn = getattr(importlib.import_module(module), name)
-        types = {k: types[k] for k in inspect.signature(fn.fn).parameters}  # the kernel's argument order
-        rep = compile_report(fn, consts, types, warps, stages, arch)
-        reports.append({**rep, "constexprs": {k: v for k, v in consts.items() if v is not None}, "launches": count})
-    return reports
+        return compile_launches(path, arch)
 
 
 def main() -> None:
@@ -267,6 +289,8 @@ def main() -> None:
     ap.add_argument("--engine", action="store_true",
                     help="every distinct launch of a tiny engine's steps (module docstring), each compiled")
     ap.add_argument("--dtype", default="bfloat16", help="--engine: the engine's dtype")
+    ap.add_argument("--launches", metavar="PATH",
+                    help="compile each launch recorded in PATH (e.g. by the kernel tests: DSPARK_RECORD_LAUNCHES)")
     ap.add_argument("--record-engine", metavar="PATH", help=argparse.SUPPRESS)  # --engine's recording subprocess
     args = ap.parse_args()
     if args.record_engine:
@@ -274,6 +298,8 @@ def main() -> None:
         return
     if args.engine:
         reports = engine_reports(args.arch, args.dtype)
+    elif args.launches:
+        reports = compile_launches(args.launches, args.arch)
     elif args.drafter_seed:
         reports = drafter_seed_reports(args.arch)
     elif args.fewrow:
@@ -284,7 +310,7 @@ def main() -> None:
         reports = [compile_report(fn, json.loads(args.constexprs), json.loads(args.types), args.warps, args.stages,
                                   args.arch)]
     else:
-        ap.error("give --kernel, --drafter-seed, --fewrow or --engine")
+        ap.error("give --kernel, --drafter-seed, --fewrow, --engine or --launches")
     for rep in reports:
         print(json.dumps(rep), flush=True)
     if any("error" in rep for rep in reports):

@@ -12,6 +12,29 @@ from dspark.engine.request import Request
 from dspark.layers.attention import BatchLayout
 from dspark.sampling_params import SamplingParams
 
+# DSPARK_RECORD_LAUNCHES=PATH: count each distinct Triton launch of the tests run (in the interpreter) and write them to
+# PATH, for ``python benchmarks/offline_compile.py --launches PATH`` to compile each for sm_90 (one process: -p no:xdist).
+_LAUNCHES: dict | None = None
+
+
+def pytest_sessionstart(session):
+    global _LAUNCHES
+    if os.environ.get("DSPARK_RECORD_LAUNCHES"):
+        import sys
+
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+        from offline_compile import record_launches
+
+        _LAUNCHES = record_launches()
+
+
+def pytest_sessionfinish(session):
+    if _LAUNCHES is not None:
+        from offline_compile import write_launches
+
+        write_launches(_LAUNCHES, os.environ["DSPARK_RECORD_LAUNCHES"])
+
+
 TINY_ARCHS = ("llama", "qwen2", "qwen3")
 
 if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs pytest-xdist workers: the cores are shared out among them

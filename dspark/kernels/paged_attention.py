@@ -527,6 +527,9 @@ def paged_attention(
         tuned = tuned_launch(block_m, B * Hkv * q_programs, max_seq_len, sm_count(q.device) if q.is_cuda else None)
         block_n, num_splits, num_stages = tuned.get("block_n"), tuned.get("num_splits"), tuned.get("num_stages")
     block_n = block_n or (64 if block_m == 16 else 128)  # bigger query tiles amortise bigger key tiles
+    if q.is_cuda and block_n < 16:  # (the CPU tests use 8: many key tiles on small inputs, in the interpreter)
+        raise ValueError(f"block_n ({block_n}) must be at least 16 on a GPU: p @ v's key tile is a tensor-core "
+                         "product's inner dimension (benchmarks/offline_compile.py found 8 not compiling for sm_90)")
     splits = num_splits or default_num_splits(B * Hkv * q_programs, q.device, max_seq_len, block_n)
     max_chunks = -(-mq // block_q)
     fuse = False
