@@ -12,8 +12,9 @@ from dspark.engine.request import Request
 from dspark.layers.attention import BatchLayout
 from dspark.sampling_params import SamplingParams
 
-# DSPARK_RECORD_LAUNCHES=PATH: count each distinct Triton launch of the tests run (in the interpreter) and write them to
-# PATH, for ``python benchmarks/offline_compile.py --launches PATH`` to compile each for sm_90 (one process: -p no:xdist).
+# DSPARK_RECORD_LAUNCHES=PATH: count each distinct Triton launch of the tests run (in the interpreter) and write them
+# to PATH, for ``python benchmarks/offline_compile.py --launches PATH`` to compile each for sm_90 (one process:
+# -p no:xdist).
 _LAUNCHES: dict | None = None
 
 
