@@ -59,20 +59,23 @@ for step in $STEPS; do
     for args in "${SETS[@]}"; do
       i=$((i + 1)); name=correctness; [ ${#SETS[@]} -gt 1 ] && name=correctness_$i
       split_env $args
-      env "${ENVS[@]}" timeout ${CORRECT_S:-420} python3 -m dspark.cli bench correctness --device $DEV \
+      (cd /tmp && env "${ENVS[@]}" timeout ${CORRECT_S:-420} python3 -m dspark.cli bench correctness --device $DEV \
         --attention-backend ${BACKEND:-triton} --prompt-source /tmp/sharegpt_prompts.json.gz --out "$OUT/$name.json" \
-        "${ARGS[@]}" > "$OUT/$name.log" 2>&1
+        "${ARGS[@]}") > "$OUT/$name.log" 2>&1
       echo "$name rc=$? ($args)"; tail -n 25 "$OUT/$name.log"; pack
     done ;;
   bench)  # BENCH_ARGS: one set of options, or several separated by '|' (one process each: bench_1, ...); a set
-    # may start with VAR=value settings for its process alone, e.g. 'DSPARK_INVARIANT_ATTENTION=mma --runs 3'
+    # may start with VAR=value settings for its process alone, e.g. 'DSPARK_INVARIANT_ATTENTION=mma --runs 3'.
+    # Run from /tmp: `python -m` puts the working directory first on sys.path, so from the repo root a set's
+    # PYTHONPATH=<another tree> would still import this tree's dspark (session 59's A/B ran the new code twice).
+    # Options' paths must be absolute. A/B of code versions: benchmarks/gpu_ab.sh.
     i=0; IFS='|' read -ra SETS <<< "${BENCH_ARGS:-}"; [ ${#SETS[@]} -eq 0 ] && SETS=("")
     for args in "${SETS[@]}"; do
       i=$((i + 1)); name=bench; [ ${#SETS[@]} -gt 1 ] && name=bench_$i
       split_env $args
-      env "${ENVS[@]}" timeout ${BENCH_S:-300} python3 -m dspark.cli bench --device $DEV --attention-backend ${BACKEND:-triton} \
-        --prompt-source /tmp/sharegpt_prompts.json.gz --json "$OUT/$name.json" --plot-dir "$OUT/plots_$name" \
-        "${ARGS[@]}" > "$OUT/$name.log" 2>&1
+      (cd /tmp && env "${ENVS[@]}" timeout ${BENCH_S:-300} python3 -m dspark.cli bench --device $DEV \
+        --attention-backend ${BACKEND:-triton} --prompt-source /tmp/sharegpt_prompts.json.gz --json "$OUT/$name.json" \
+        --plot-dir "$OUT/plots_$name" "${ARGS[@]}") > "$OUT/$name.log" 2>&1
       echo "$name rc=$? ($args)"; tail -n 25 "$OUT/$name.log"; pack
     done ;;
   invariance)  # which launches change a row's bits (benchmarks/invariance_check.py; INV_PARTS, default attention)

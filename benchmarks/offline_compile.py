@@ -211,9 +211,21 @@ def write_launches(seen: dict[str, int], path: str) -> None:
     Path(path).write_text(json.dumps([json.loads(k) + [n] for k, n in seen.items()]))
 
 
-def record_engine_launches(path: str, dtype: str) -> None:
+# --shape smollm2: the target's and the shipped drafter's shapes (SmolLM2-135M: hidden 576, 9 heads of 64, 3 KV heads,
+# vocabulary 49,152; the drafter's block of 7, Markov rank 64, three taps) with 3 target layers and random weights,
+# so that the launches' shape-dependent constexprs (block sizes, key and vocabulary splits) are SmolLM2's.
+SHAPES = {
+    "tiny": ({}, {"block_size": 4, "mask_token_id": 3, "markov_rank": None}),
+    "smollm2": ({"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 3,
+                 "num_attention_heads": 9, "num_key_value_heads": 3, "rope_theta": 100000.0},
+                {"block_size": 7, "mask_token_id": 16, "markov_rank": 64}),
+}
+
+
+def record_engine_launches(path: str, dtype: str, shape: str = "tiny") -> None:
     """(In Triton's interpreter.) Run the tiny engines of --engine and write each distinct launch to ``path``
-    (JSON: [module, kernel, {argument: type}, {constexpr: value}, warps, stages, launches])."""
+    (JSON: [module, kernel, {argument: type}, {constexpr: value}, warps, stages, launches]). ``shape``: a key of
+    SHAPES, the models' dimensions."""
     import torch
 
     from dspark import LLM, SamplingParams
@@ -226,9 +238,12 @@ def record_engine_launches(path: str, dtype: str) -> None:
     seen = record_launches()
     cuda_graphs.VERIFY_FROM_LOGITS_MIN_ROWS = 0  # the verification from logits too (a GPU's 128-row steps take it)
     root = Path(tempfile.mkdtemp())
-    target = write_tiny_checkpoint(root / "t", "llama", seed=3, tie_word_embeddings=True, initializer_range=0.1)
+    target_shape, drafter_shape = SHAPES[shape]
+    target = write_tiny_checkpoint(root / "t", "llama", seed=3, tie_word_embeddings=True, initializer_range=0.1,
+                                   **target_shape)
     tc = ModelConfig.from_hf(json.loads((target / "config.json").read_text()))
-    cfg = drafter_config_dict(tc, target_layer_ids=[0], block_size=4, mask_token_id=3, markov_rank=tc.vocab_size)
+    cfg = drafter_config_dict(tc, target_layer_ids=[0] if shape == "tiny" else None,
+                              **{**drafter_shape, "markov_rank": drafter_shape["markov_rank"] or tc.vocab_size})
     drafter = write_drafter(root / "d", cfg, random_drafter_state_dict(DrafterConfig.from_dict(cfg), 0, std=0.2))
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(4, 512, (n,), generator=g).tolist() for n in (3, 9, 26)]
@@ -262,12 +277,12 @@ def compile_launches(path: str, arch: int = 90) -> list[dict]:
     return reports
 
 
-def engine_reports(arch: int = 90, dtype: str = "bfloat16") -> list[dict]:
+def engine_reports(arch: int = 90, dtype: str = "bfloat16", shape: str = "tiny") -> list[dict]:
     """--engine: record the tiny engines' launches in a subprocess under Triton's interpreter, then compile each
     distinct launch for sm_<arch> here."""
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "launches.json")
-        r = subprocess.run([sys.executable, __file__, "--record-engine", path, "--dtype", dtype],
+        r = subprocess.run([sys.executable, __file__, "--record-engine", path, "--dtype", dtype, "--shape", shape],
                            env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True)
         if r.returncode != 0:
             raise RuntimeError(f"recording the engine's launches failed: {r.stderr[-3000:]}")
@@ -289,15 +304,17 @@ def main() -> None:
     ap.add_argument("--engine", action="store_true",
                     help="every distinct launch of a tiny engine's steps (module docstring), each compiled")
     ap.add_argument("--dtype", default="bfloat16", help="--engine: the engine's dtype")
+    ap.add_argument("--shape", default="tiny", choices=sorted(SHAPES),
+                    help="--engine: the models' dimensions (smollm2: SmolLM2's and its drafter's, 3 layers; slower)")
     ap.add_argument("--launches", metavar="PATH",
                     help="compile each launch recorded in PATH (e.g. by the kernel tests: DSPARK_RECORD_LAUNCHES)")
     ap.add_argument("--record-engine", metavar="PATH", help=argparse.SUPPRESS)  # --engine's recording subprocess
     args = ap.parse_args()
     if args.record_engine:
-        record_engine_launches(args.record_engine, args.dtype)
+        record_engine_launches(args.record_engine, args.dtype, args.shape)
         return
     if args.engine:
-        reports = engine_reports(args.arch, args.dtype)
+        reports = engine_reports(args.arch, args.dtype, args.shape)
     elif args.launches:
         reports = compile_launches(args.launches, args.arch)
     elif args.drafter_seed:
