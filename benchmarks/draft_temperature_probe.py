@@ -50,7 +50,8 @@ def main() -> None:
             break
     prop = eng.runner.proposer
     if prop.use_triton:
-        raise SystemExit("the probe tempers the PyTorch proposer's logits; run it where the engine uses that path (CPU)")
+        raise SystemExit("the probe tempers the PyTorch proposer's logits: run it where the engine uses that path "
+                         "(the CPU)")
     d = prop.drafter
     base, bias = d.base_logits, d.markov_bias
     print(f"{eng.runner.num_spec_tokens} drafts verified, {len(prompts)} prompts, T = 1")
