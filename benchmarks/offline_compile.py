@@ -12,7 +12,8 @@ Usage:
       --constexprs '{"GAMMA": 5, "G": 32, ...}' [--types '{"out_ptr": "*fp32"}'] [--warps 4] [--stages 2] [--arch 90]
   python benchmarks/offline_compile.py --drafter-seed     # the drafter kernel's default launches at seed 001's shape
   python benchmarks/offline_compile.py --fewrow           # the few-row products' launches at row tiles 16-128
-  python benchmarks/offline_compile.py --engine [--dtype bfloat16]   # every distinct launch a tiny engine makes
+  python benchmarks/offline_compile.py --engine [--dtype bfloat16] [--shape tiny|smollm2]   # every distinct launch
+                                                          # a small engine makes (smollm2: SmolLM2's dimensions, ~20 min)
 
 --engine runs a tiny random Llama with a random DSpark drafter on this CPU (Triton's interpreter, CUDA-graph steps
 uncaptured, one-sync steps: greedy and seeded sampled requests, probabilistic and greedy drafts, block and standard
@@ -215,7 +216,7 @@ def write_launches(seen: dict[str, int], path: str) -> None:
 # vocabulary 49,152; the drafter's block of 7, Markov rank 64, three taps) with 3 target layers and random weights,
 # so that the launches' shape-dependent constexprs (block sizes, key and vocabulary splits) are SmolLM2's.
 SHAPES = {
-    "tiny": ({}, {"block_size": 4, "mask_token_id": 3, "markov_rank": None}),
+    "tiny": ({}, {"target_layer_ids": [0], "block_size": 4, "mask_token_id": 3, "markov_rank": 512}),
     "smollm2": ({"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 3,
                  "num_attention_heads": 9, "num_key_value_heads": 3, "rope_theta": 100000.0},
                 {"block_size": 7, "mask_token_id": 16, "markov_rank": 64}),
@@ -242,8 +243,7 @@ def record_engine_launches(path: str, dtype: str, shape: str = "tiny") -> None:
     target = write_tiny_checkpoint(root / "t", "llama", seed=3, tie_word_embeddings=True, initializer_range=0.1,
                                    **target_shape)
     tc = ModelConfig.from_hf(json.loads((target / "config.json").read_text()))
-    cfg = drafter_config_dict(tc, target_layer_ids=[0] if shape == "tiny" else None,
-                              **{**drafter_shape, "markov_rank": drafter_shape["markov_rank"] or tc.vocab_size})
+    cfg = drafter_config_dict(tc, **drafter_shape)
     drafter = write_drafter(root / "d", cfg, random_drafter_state_dict(DrafterConfig.from_dict(cfg), 0, std=0.2))
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(4, 512, (n,), generator=g).tolist() for n in (3, 9, 26)]
