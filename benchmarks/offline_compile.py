@@ -12,8 +12,8 @@ Usage:
       --constexprs '{"GAMMA": 5, "G": 32, ...}' [--types '{"out_ptr": "*fp32"}'] [--warps 4] [--stages 2] [--arch 90]
   python benchmarks/offline_compile.py --drafter-seed     # the drafter kernel's default launches at seed 001's shape
   python benchmarks/offline_compile.py --fewrow           # the few-row products' launches at row tiles 16-128
-  python benchmarks/offline_compile.py --engine [--dtype bfloat16] [--shape tiny|smollm2]   # every distinct launch
-                                                          # a small engine makes (smollm2: SmolLM2's dimensions, ~20 min)
+  python benchmarks/offline_compile.py --engine [--dtype bfloat16] [--shape tiny|smollm2]
+      # every distinct launch a small engine makes (smollm2: SmolLM2's dimensions, ~20 minutes)
 
 --engine runs a tiny random Llama with a random DSpark drafter on this CPU (Triton's interpreter, CUDA-graph steps
 uncaptured, one-sync steps: greedy and seeded sampled requests, probabilistic and greedy drafts, block and standard
