@@ -80,11 +80,18 @@ def compile_report(fn, constexprs: dict, types: dict | None = None, num_warps: i
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from dspark import kernels
+
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    if "PDL" in inspect.signature(fn.fn).parameters:  # as dspark.kernels.pdl_opts launches it on the target
+        pdl = kernels.PDL and arch >= 90
+        constexprs = {**constexprs, "PDL": pdl}
+        options["launch_pdl"] = pdl
     out = {"kernel": fn.fn.__name__, "arch": arch, "num_warps": num_warps, "num_stages": num_stages,
            "constexprs": constexprs}
     try:
         k = triton.compile(ASTSource(fn=fn, signature=signature_of(fn, types), constexprs=constexprs),
-                           target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps, "num_stages": num_stages})
+                           target=GPUTarget("cuda", arch, 32), options=options)
     except Exception as e:  # noqa: BLE001 - a compile error is a result here
         return {**out, "error": f"{type(e).__name__}: {str(e)[-1500:]}"}
     ptx = k.asm["ptx"]
@@ -273,7 +280,8 @@ def compile_launches(path: str, arch: int = 90) -> list[dict]:
         fn = getattr(importlib.import_module(module), name)
         types = {k: types[k] for k in inspect.signature(fn.fn).parameters}  # the kernel's argument order
         rep = compile_report(fn, consts, types, warps, stages, arch)
-        reports.append({**rep, "constexprs": {k: v for k, v in consts.items() if v is not None}, "launches": count})
+        reports.append({**rep, "constexprs": {k: v for k, v in rep["constexprs"].items() if v is not None},
+                        "launches": count})
     return reports
 
 

@@ -45,6 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dspark.kernels import pdl_opts, pdl_wait
 from dspark.kernels.paged_attention import (
     LOG2E,
     _load_paged_kv,
@@ -76,10 +77,12 @@ def _drafter_attention_kernel(
     GAMMA: tl.constexpr, G: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr, HAS_SINK: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_SHARED: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (b, kv head × row tile, split): rows [t·BLOCK_M, (t + 1)·BLOCK_M) of the γ × G query rows
     of request b for that KV head (row tile t), against slice ``split`` of its context; split 0 also
     takes the γ block rows. KV_SHARED: the values are the keys (one gather per tile)."""
+    pdl_wait(PDL)
     b = tl.program_id(0).to(tl.int64)
     row_tiles = (GAMMA * G + BLOCK_M - 1) // BLOCK_M  # a constexpr: with one tile, kvh and r fold as before
     kvh = tl.program_id(1) // row_tiles
@@ -354,7 +357,7 @@ def drafter_attention(
         BLOCK_D=next_pow2(D), NUM_SPLITS=splits, HAS_SINK=sinks is not None,
         DOT_PRECISION=dot_precision(q.dtype), KV_SHARED=kv_shared(k_block, v_block, k_cache, v_cache),
         num_warps=num_warps or launch["num_warps"],
-        num_stages=num_stages or launch["num_stages"],
+        num_stages=num_stages or launch["num_stages"], **pdl_opts(q),
     )
     if splits > 1:
         combine_splits(target.view(B * gamma, Hq, splits, D), lse.view(B * gamma, Hq, splits),

@@ -44,7 +44,7 @@ from torch import Tensor
 import triton
 import triton.language as tl
 
-from dspark.kernels import check_device, next_pow2
+from dspark.kernels import check_device, next_pow2, pdl_wait
 from dspark.kernels.fused_ops import (
     _cache_strides, _launch_opts, _rope, add_rms_norm_reference, cast_rtne, rope_qk_cache, silu_and_mul_reference,
     silu_mul_rounded,
@@ -94,6 +94,7 @@ def _fewrow_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, P_PAD: tl.constexpr, SPLIT: tl.constexpr,
     BM: tl.constexpr, SCALE: tl.constexpr, GATE_UP: tl.constexpr, RESID: tl.constexpr, HAS_G: tl.constexpr,
     PRECISE: tl.constexpr, IEEE: tl.constexpr, ROPE: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """y[rows, n] = a[rows] @ W[:, n] for this program's BM rows (row block program_id(2)) and BLOCK_N
     columns: a bare tensor-core K loop, then
@@ -109,6 +110,7 @@ def _fewrow_kernel(
     other half of the same head: columns n + D/2 for a first half, n - D/2 for a second), so the epilogue
     has both halves that rotate-half RoPE pairs (and a q/k norm sums over): it rotates q and k, stores q
     in y and writes k and v into the paged caches at the rows' slots (fused_ops.rope_qk_cache's work)."""
+    pdl_wait(PDL)
     pid = tl.program_id(0)
     j = tl.program_id(1)
     rb = tl.program_id(2)

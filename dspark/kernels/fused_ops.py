@@ -38,12 +38,14 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from dspark.kernels import check_device, next_pow2
+from dspark.kernels import check_device, next_pow2, pdl_opts, pdl_wait
 from dspark.layers.basic import apply_rope, silu_and_mul as _silu_and_mul_ref
 
 
 def _launch_opts(t: Tensor) -> dict:
-    return {"enable_fp_fusion": False} if t.device.type == "cuda" else {}
+    """Launch keywords of the kernels with the exact roundings (no fp contraction on the GPU) and a PDL
+    parameter (dspark.kernels.pdl_opts)."""
+    return {"enable_fp_fusion": False, **pdl_opts(t)} if t.device.type == "cuda" else pdl_opts(t)
 
 
 # ------------------------------------------------------------------------------- rounding
@@ -71,7 +73,9 @@ def _rms_norm_kernel(
     x_ptr, stride_x, r_ptr, stride_r, w_ptr, out_ptr, stride_o, res_ptr, stride_res,
     H, eps, n_keep, group,
     HAS_RES: tl.constexpr, BLOCK_H: tl.constexpr, SELECT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     src = row
     if SELECT:  # output row r is input row r // n_keep * group + r % n_keep (rms_norm_rows; no sum written)
@@ -203,7 +207,9 @@ def _rope_cache_kernel(
     D: tl.constexpr, HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr,
     HAS_Q: tl.constexpr, ROPE: tl.constexpr, HAS_QNORM: tl.constexpr, HAS_KNORM: tl.constexpr,
     HAS_VALID: tl.constexpr, WRITE_KOUT: tl.constexpr, WRITE_CACHE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, D)
     dr = (d + D // 2) % D
@@ -393,7 +399,8 @@ def store_context_kv_reference(
 # ---------------------------------------------------------------- the DSpark drafter's block rows
 @triton.jit
 def _block_inputs_kernel(anc_ptr, apos_ptr, emb_ptr, stride_emb, w_ptr, x_ptr, h_ptr, pos_ptr, key_ptr, G, H,
-                         eps, mask_id, BLOCK_H: tl.constexpr):
+                         eps, mask_id, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)  # row = b * G + g
     b = row // G
     g = row - b * G
@@ -445,7 +452,9 @@ def drafter_block_inputs_reference(anchors: Tensor, anchor_pos: Tensor, embed: T
 
 # ------------------------------------------------------------------------------------ SwiGLU
 @triton.jit
-def _silu_mul_kernel(x_ptr, stride_x, out_ptr, stride_o, I, PRECISE: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, stride_x, out_ptr, stride_o, I, PRECISE: tl.constexpr, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr):
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = i < I
@@ -483,7 +492,7 @@ def silu_and_mul(gate_up: Tensor) -> Tensor:
     if T:
         _silu_mul_kernel[(T, triton.cdiv(I, BLOCK))](x2, x2.stride(0), o2, o2.stride(0), I,
                                                      PRECISE=gate_up.device.type == "cuda", BLOCK=BLOCK,
-                                                     num_warps=4)
+                                                     num_warps=4, **pdl_opts(gate_up))
     return out
 
 

@@ -59,13 +59,15 @@ the products of two bf16 numbers are exact in fp32, so only the order of the fp3
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor
 
 import triton
 import triton.language as tl
 
-from dspark.kernels import check_device, next_pow2
+from dspark.kernels import check_device, next_pow2, pdl_wait
 from dspark.kernels.fused_ops import (
     _launch_opts, add_rms_norm_reference, cast_rtne, silu_and_mul_reference, silu_mul_rounded,
 )
@@ -74,6 +76,7 @@ MAX_ROWS = 16  # the row loop is unrolled: more rows belong to a GEMM
 TARGET_PROGRAMS = 128  # about the SM count (H200: 132): programs wanted along N
 WEIGHT_ELEMS_PER_THREAD = 64  # register budget of the weight tile(s) per K step
 NORM_TILE_ELEMS = 8192  # rows x K elements of the sum-of-squares tile
+PDL_PREFETCH = os.environ.get("DSPARK_PDL_PREFETCH", "1") != "0"  # the first weight tile before pdl_wait
 
 
 # ------------------------------------------------------------------------------------- kernel
@@ -84,18 +87,28 @@ def _gemv_kernel(
     K, N, UP,
     M: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr,
     NUM_STAGES: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
-    GATE_UP: tl.constexpr, PRECISE: tl.constexpr,
+    GATE_UP: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """y[:, n] = a @ W[:, n] for this program's BLOCK_N columns n, a = x (plain) or
     weight_norm * rmsnorm(x + residual) (NORM). GATE_UP: also u = a @ W[:, UP + n], y = silu(y) * u.
     The product: one loop over K in BLOCK_K steps, each weight tile loaded once and multiplied with
-    every row by a static loop over the M rows (BM: M padded to a power of two; rows >= M are not stored)."""
+    every row by a static loop over the M rows (BM: M padded to a power of two; rows >= M are not stored).
+    PREFETCH (with PDL): the first K step's weight tile(s) load before pdl_wait, so that under programmatic
+    dependent launch their load overlaps the previous kernel (no kernel writes a weight); same sums."""
     pid = tl.program_id(0)
     dt = x_ptr.dtype.element_ty
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < N
     rows = tl.arange(0, BM)
     rm = rows < M
+    kb = tl.arange(0, BLOCK_K)
+    if PREFETCH:
+        w_pre = tl.load(w_ptr + kb[:, None] * stride_wk + n[None, :] * stride_wn,
+                        mask=(kb < K)[:, None] & nm[None, :], other=0.0)
+        if GATE_UP:
+            wu_pre = tl.load(w_ptr + kb[:, None] * stride_wk + (n + UP)[None, :] * stride_wn,
+                             mask=(kb < K)[:, None] & nm[None, :], other=0.0)
+    pdl_wait(PDL)
 
     inv = tl.full([BM], 1.0, dtype=tl.float32)  # the rows' 1 / rms (NORM)
     if NORM:  # sum of squares of s = x + residual per row (and s itself, written by pid 0)
@@ -115,30 +128,25 @@ def _gemv_kernel(
 
     acc = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
-    kb = tl.arange(0, BLOCK_K)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):  # the K loop
+    k_lo = 0
+    if PREFETCH:  # the first K step on the prefetched tile(s)
+        wu0 = w_pre
+        if GATE_UP:
+            wu0 = wu_pre
+        acc, acc_u = _gemv_rows(acc, acc_u, w_pre.to(tl.float32), wu0.to(tl.float32), kb, kb < K, x_ptr, stride_x,
+                                r_ptr, stride_r, nw_ptr, rows, inv, dt, M, NORM, HAS_RES, GATE_UP)
+        k_lo = BLOCK_K
+    for k0 in tl.range(k_lo, K, BLOCK_K, num_stages=NUM_STAGES):  # the K loop
         k = k0 + kb
         km = k < K
         wmask = km[:, None] & nm[None, :]
         w_off = k[:, None] * stride_wk + n[None, :] * stride_wn
         w = tl.load(w_ptr + w_off, mask=wmask, other=0.0).to(tl.float32)  # the weight first: in flight early
+        wu = w
         if GATE_UP:
             wu = tl.load(w_ptr + w_off + UP * stride_wn, mask=wmask, other=0.0).to(tl.float32)
-        if NORM:
-            g = tl.load(nw_ptr + k, mask=km, other=0.0).to(tl.float32)
-        for m in tl.static_range(M):  # each row reduced over this K slice
-            a = tl.load(x_ptr + m * stride_x + k, mask=km, other=0.0)
-            if NORM:  # fused_ops.add_rms_norm's roundings, on this K slice of row m
-                if HAS_RES:
-                    r = tl.load(r_ptr + m * stride_r + k, mask=km, other=0.0)
-                    a = cast_rtne(a.to(tl.float32) + r.to(tl.float32), dt)
-                inv_m = tl.sum(tl.where(rows == m, inv, 0.0), 0)
-                a = cast_rtne(cast_rtne(a.to(tl.float32) * inv_m, dt).to(tl.float32) * g, dt)
-            af = a.to(tl.float32)[:, None]
-            sel = (rows == m)[:, None]
-            acc = tl.where(sel, acc + tl.sum(af * w, 0)[None, :], acc)
-            if GATE_UP:
-                acc_u = tl.where(sel, acc_u + tl.sum(af * wu, 0)[None, :], acc_u)
+        acc, acc_u = _gemv_rows(acc, acc_u, w, wu, k, km, x_ptr, stride_x, r_ptr, stride_r, nw_ptr, rows, inv, dt, M,
+                                NORM, HAS_RES, GATE_UP)
 
     if HAS_BIAS:
         acc = acc + tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
@@ -146,6 +154,29 @@ def _gemv_kernel(
     if GATE_UP:  # fused_ops.silu_and_mul's roundings on the rounded gate and up
         out = silu_mul_rounded(out, cast_rtne(acc_u, dt), dt, PRECISE)
     tl.store(y_ptr + rows[:, None] * stride_y + n[None, :], out, mask=rm[:, None] & nm[None, :])
+
+
+@triton.jit
+def _gemv_rows(acc, acc_u, w, wu, k, km, x_ptr, stride_x, r_ptr, stride_r, nw_ptr, rows, inv, dt: tl.constexpr,
+               M: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, GATE_UP: tl.constexpr):
+    """One K step of _gemv_kernel: the weight tile(s) w (and wu, GATE_UP) [BLOCK_K, BLOCK_N] in fp32 times each of
+    the M rows' K slice k (normed: NORM), added to the rows' accumulators."""
+    if NORM:
+        g = tl.load(nw_ptr + k, mask=km, other=0.0).to(tl.float32)
+    for m in tl.static_range(M):  # each row reduced over this K slice
+        a = tl.load(x_ptr + m * stride_x + k, mask=km, other=0.0)
+        if NORM:  # fused_ops.add_rms_norm's roundings, on this K slice of row m
+            if HAS_RES:
+                r = tl.load(r_ptr + m * stride_r + k, mask=km, other=0.0)
+                a = cast_rtne(a.to(tl.float32) + r.to(tl.float32), dt)
+            inv_m = tl.sum(tl.where(rows == m, inv, 0.0), 0)
+            a = cast_rtne(cast_rtne(a.to(tl.float32) * inv_m, dt).to(tl.float32) * g, dt)
+        af = a.to(tl.float32)[:, None]
+        sel = (rows == m)[:, None]
+        acc = tl.where(sel, acc + tl.sum(af * w, 0)[None, :], acc)
+        if GATE_UP:
+            acc_u = tl.where(sel, acc_u + tl.sum(af * wu, 0)[None, :], acc_u)
+    return acc, acc_u
 
 
 # ------------------------------------------------------------------------------------ configs
@@ -160,7 +191,7 @@ def _floor_pow2(v: int) -> int:
 
 
 def gemv_config(M: int, K: int, N: int, tiles: int = 1, block_n: int | None = None, block_k: int | None = None,
-                num_warps: int | None = None, num_stages: int | None = None) -> dict:
+                num_warps: int | None = None, num_stages: int | None = None, prefetch: bool | None = None) -> dict:
     """Launch configuration for M rows, reduction size K and N output columns per weight tile (``tiles``
     tiles per program: 2 for gate|up). Any value can be overridden (benchmarks sweep them).
 
@@ -168,7 +199,8 @@ def gemv_config(M: int, K: int, N: int, tiles: int = 1, block_n: int | None = No
     64; 8 for SmolLM2: 120 programs for qkv, 72 for o / down, 96 of 2 tiles for gate|up). BLOCK_K as
     large as WEIGHT_ELEMS_PER_THREAD allows for the weight tile(s) per K step (one K step for K = 576 at
     BLOCK_N 8); 4 warps; cp.async pipelining (3 stages) only with several K steps (the 1-row
-    measurements favour few deep loads over many shallow ones)."""
+    measurements favour few deep loads over many shallow ones). ``prefetch``: the kernel's PREFETCH (default:
+    with PDL, unless DSPARK_PDL_PREFETCH=0)."""
     nw = num_warps or 4
     bm = next_pow2(M)
     bn = _pow2(block_n, "block_n") if block_n else max(8, min(64, next_pow2(triton.cdiv(N, TARGET_PROGRAMS))))
@@ -176,7 +208,7 @@ def gemv_config(M: int, K: int, N: int, tiles: int = 1, block_n: int | None = No
     bk = _pow2(block_k, "block_k") if block_k else max(16, min(next_pow2(K), _floor_pow2(budget // (bn * tiles))))
     stages = num_stages or (1 if bk >= K else 3)
     return dict(BLOCK_N=bn, BLOCK_K=bk, NORM_BLOCK=max(16, min(next_pow2(K), max(bk, NORM_TILE_ELEMS // bm))),
-                NUM_STAGES=stages, num_warps=nw, BM=bm)
+                NUM_STAGES=stages, num_warps=nw, BM=bm, PREFETCH=prefetch)
 
 
 # ----------------------------------------------------------------------------------- wrappers
@@ -219,6 +251,7 @@ def _check_m(M: int) -> None:
 def _launch(x2, r2, s2, norm_weight, eps, w_t, bias, y2, N, up, cfg, norm, gate_up):
     M, K = x2.shape
     dummy = x2
+    opts = _launch_opts(x2)
     _gemv_kernel[(triton.cdiv(N, cfg["BLOCK_N"]),)](
         x2, x2.stride(0), r2 if r2 is not None else dummy, r2.stride(0) if r2 is not None else 0,
         s2 if s2 is not None else dummy, s2.stride(0) if s2 is not None else 0,
@@ -227,7 +260,8 @@ def _launch(x2, r2, s2, norm_weight, eps, w_t, bias, y2, N, up, cfg, norm, gate_
         K, N, up,
         M=M, BM=cfg["BM"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], NORM_BLOCK=cfg["NORM_BLOCK"],
         NUM_STAGES=cfg["NUM_STAGES"], NORM=norm, HAS_RES=r2 is not None, HAS_BIAS=bias is not None,
-        GATE_UP=gate_up, PRECISE=x2.device.type == "cuda", num_warps=cfg["num_warps"], **_launch_opts(x2),
+        GATE_UP=gate_up, PRECISE=x2.device.type == "cuda", num_warps=cfg["num_warps"], **opts,
+        PREFETCH=(opts["PDL"] and PDL_PREFETCH) if cfg["PREFETCH"] is None else cfg["PREFETCH"],
     )
 
 

@@ -92,7 +92,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from dspark.kernels import check_device, next_pow2
+from dspark.kernels import check_device, next_pow2, pdl_opts, pdl_wait
 from dspark.kernels.fused_ops import cast_rtne
 from dspark.sample.rng import draft_stream
 from dspark.sample.sampler import Sampler, SamplingBatch, compute_probs
@@ -220,8 +220,10 @@ def philox4x32_triton(counter: Tensor, key: Tensor) -> Tensor:
 
 
 @triton.jit
-def _words_kernel(seeds_ptr, pos_ptr, cols_ptr, out_ptr, stream, n, HAS_COLS: tl.constexpr, BLOCK: tl.constexpr):
+def _words_kernel(seeds_ptr, pos_ptr, cols_ptr, out_ptr, stream, n, HAS_COLS: tl.constexpr, BLOCK: tl.constexpr,
+                  PDL: tl.constexpr):
     """Row b, entries i: word col of rng._random_words(seed_b, pos_b, stream), col = i or cols[b, i]."""
+    pdl_wait(PDL)
     b = tl.program_id(0)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
@@ -255,7 +257,8 @@ def philox_words_triton(seeds: Tensor, positions: Tensor, stream: int, n: int | 
     if B and n:
         BLOCK = 256 if n > 128 else max(16, next_pow2(n))
         _words_kernel[(B, triton.cdiv(n, BLOCK))](seeds, positions, cols if cols is not None else seeds, out,
-                                                  stream & 0xFFFFFFFF, n, HAS_COLS=cols is not None, BLOCK=BLOCK)
+                                                  stream & 0xFFFFFFFF, n, HAS_COLS=cols is not None, BLOCK=BLOCK,
+                                                  **pdl_opts(seeds))
     return out
 
 
@@ -527,7 +530,9 @@ def _markov_logits_kernel(
     HAS_MARKOV: tl.constexpr, HAS_PEN: tl.constexpr, HAS_REP: tl.constexpr,
     BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, NT_PAD: tl.constexpr, CAP: tl.constexpr,
     SMALL_CAP: tl.constexpr, BLOCK_S: tl.constexpr, BIAS_IN: tl.constexpr, DEFER: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     b = tl.program_id(0)
     t = tl.program_id(1)
     flags = tl.load(flags_ptr + b)
@@ -594,6 +599,7 @@ def _topp_radix_kernel(
     cnt_ptr,  # [R] int32 arrival counters
     V, NT,
     SHIFT: tl.constexpr, BLOCK_V: tl.constexpr, NT_PAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One radix digit (4 bits, from the top: SHIFT = 28, 24, .., 0) of the exact top-p cut of the rows
     _row_threshold deferred (path 3); other rows return at once. The cut is the largest key t with
@@ -604,6 +610,7 @@ def _topp_radix_kernel(
     the lowest non-empty digit whose higher digits' mass (plus the mass above) stays below the target —
     so the digit of t. Eight launches spread the search over the row's NT programs, where a bisection
     in one program walks the row 30-odd times (~1.5 ms at V = 49,152 on the H200)."""
+    pdl_wait(PDL)
     b = tl.program_id(0)
     t = tl.program_id(1)
     if tl.load(row_ptr + b * 4 + 3) == 3.0:
@@ -672,7 +679,9 @@ def _markov_sample_kernel(
     V, NT,
     WRITE_Q: tl.constexpr, SAMPLE: tl.constexpr, PRECISE: tl.constexpr, BLOCK_V: tl.constexpr,
     NT_PAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     b = tl.program_id(0)
     t = tl.program_id(1)
     flags = tl.load(flags_ptr + b)
@@ -720,11 +729,13 @@ def _markov_temp_kernel(
     V, R, NT,
     HAS_MARKOV: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, NT_PAD: tl.constexpr,
     BIAS_IN: tl.constexpr, PRECISE: tl.constexpr, W1_ROWS: tl.constexpr, R_PAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One slot of rows at a temperature only (no filter, no penalty), in one launch: sampled rows' Gumbel-max
     needs no normaliser, so each tile's candidate (the max of z + noise) is taken in the pass that makes z, and
     the row's last program picks the token; q is left as z plus the row's (max, Σexp) and normalised for every
     slot at once after the loop. Other rows: the first arg-max of the logits."""
+    pdl_wait(PDL)
     b = tl.program_id(0)
     t = tl.program_id(1)
     sampled = (tl.load(flags_ptr + b) & 2) != 0
@@ -766,9 +777,10 @@ def _markov_temp_kernel(
 
 
 @triton.jit
-def _markov_norm_kernel(q_ptr, stat_ptr, flags_ptr, tok_ptr, V, N, BLOCK_V: tl.constexpr):
+def _markov_norm_kernel(q_ptr, stat_ptr, flags_ptr, tok_ptr, V, N, BLOCK_V: tl.constexpr, PDL: tl.constexpr):
     """q of every slot (row r = b * N + k of [B * N, V]) after _markov_temp_kernel's loop: exp(z - M) / Z in place
     for sampled rows, the one-hot of the token for probabilistic rows at temperature 0, zeros for the others."""
+    pdl_wait(PDL)
     r = tl.program_id(0)
     t = tl.program_id(1)
     flags = tl.load(flags_ptr + r // N)
@@ -784,8 +796,9 @@ def _markov_norm_kernel(q_ptr, stat_ptr, flags_ptr, tok_ptr, V, N, BLOCK_V: tl.c
 
 
 @triton.jit
-def _row_flags_kernel(prob_ptr, temp_ptr, flags_ptr, cnt_ptr, B, BLOCK: tl.constexpr):
+def _row_flags_kernel(prob_ptr, temp_ptr, flags_ptr, cnt_ptr, B, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """_RowSettings' flags (prob | (prob & temperature > 0) << 1) and zeroed arrival counters of B rows."""
+    pdl_wait(PDL)
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = i < B
     p = (tl.load(prob_ptr + i, mask=m, other=0) != 0).to(tl.int32)
@@ -816,7 +829,7 @@ class _RowSettings:
         if B:
             blk = min(next_pow2(B), 1024)
             _row_flags_kernel[(triton.cdiv(B, blk),)](prob, self.temperature, self.flags, self.cnt, B, BLOCK=blk,
-                                                     num_warps=4)
+                                                     num_warps=4, **pdl_opts(prob))
         # ``filters`` False (markov_sample's temperature-only slots): no filter settings, no threshold scratch —
         # ops the drafter graph would otherwise replay every step for nothing
         if filters:
@@ -843,7 +856,7 @@ class _RowSettings:
             self.row = torch.empty(B, 4, **f32)
         self.precise = dev.type == "cuda"
         # No fused multiply-adds on the GPU: the penalty arithmetic must round like torch's separate ops.
-        self.opts = {"enable_fp_fusion": False} if self.precise else {}
+        self.opts = {"enable_fp_fusion": False, **pdl_opts(self.flags)} if self.precise else pdl_opts(self.flags)
 
     def settings(self) -> tuple:
         """_markov_logits_kernel's flags_ptr .. pcnt_ptr."""
@@ -913,7 +926,8 @@ def _process_rows(logits: Tensor, batch: SamplingBatch, stream: int | None, prob
         part = torch.empty(R, next_pow2(NT_R), 32, dtype=torch.float32, device=dev)
         for shift in range(28, -1, -4):
             _topp_radix_kernel[(R, NT_R)](z, rs.row, pref, above, part, rs.cnt, V, NT_R, SHIFT=shift,
-                                          BLOCK_V=radix_v, NT_PAD=next_pow2(NT_R), num_warps=num_warps)
+                                          BLOCK_V=radix_v, NT_PAD=next_pow2(NT_R), num_warps=num_warps,
+                                          **pdl_opts(z))
     if paths is not None:
         paths.copy_(torch.where((rs.flags & 2) != 0, rs.row[:, 3].to(torch.int32), -1))
     positions = batch.positions.to(device=dev, dtype=torch.int64) if stream is not None else tokens
@@ -1095,7 +1109,7 @@ def markov_sample(
             )
     if temp_only and any_prob:
         _markov_norm_kernel[(B * N, rs.NT)](probs, stats, rs.flags, tokens, V, N, BLOCK_V=block_v,
-                                            num_warps=num_warps)
+                                            num_warps=num_warps, **pdl_opts(probs))
     return tokens, probs
 
 

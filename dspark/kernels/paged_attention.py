@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dspark.kernels import check_device, next_pow2
+from dspark.kernels import check_device, next_pow2, pdl_opts, pdl_wait
 from dspark.kernels.fused_ops import _head_norm, _rope, cast_rtne
 
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x * LOG2E)
@@ -169,12 +169,13 @@ def _combine_splits_kernel(
     part_ptr, lse_ptr, out_ptr, sink_ptr,
     stride_pr, stride_ph, stride_lr, stride_lh, stride_or, stride_oh,
     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_SINK: tl.constexpr, ORDERED: tl.constexpr = False,
+    HAS_SINK: tl.constexpr, ORDERED: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """Merge the key-range slices of one (query row, head): weights exp2(lse_s - max), plus the sink.
     ORDERED: the slices are added one after the other, slice 0 first, and the sink last, so that empty
     trailing slices (weight 0, output 0) add exact zeros and the sums do not depend on NUM_SPLITS (a
     vector sum's order follows its length and layout); the fixed key slices of batch-invariant mode."""
+    pdl_wait(PDL)
     r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
@@ -276,7 +277,7 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, FUSE_COMBINE: tl.constexpr, MAX_CHUNKS: tl.constexpr,
     ROPE_IN: tl.constexpr, HAS_QNORM: tl.constexpr, HAS_KNORM: tl.constexpr, SPLIT_KEYS: tl.constexpr = 0,
-    ROWSUM_MMA: tl.constexpr = False, SLICES_PER_PROGRAM: tl.constexpr = 1,
+    ROWSUM_MMA: tl.constexpr = False, SLICES_PER_PROGRAM: tl.constexpr = 1, PDL: tl.constexpr = False,
 ):
     """Program (b, kv head, split * q_programs + c): query chunks c, c + q_programs, ... of request b
     (BLOCK_Q query tokens × G heads each), against key slice ``split`` of what the chunk may see.
@@ -290,6 +291,7 @@ def _paged_attention_kernel(
     SLICES_PER_PROGRAM (fixed slices only, no FUSE_COMBINE): the program takes that many consecutive slices one
     after the other, each from a fresh softmax state into its own partial, so a row's bits do not change, only
     the program count (fewer, longer programs where the batch already fills the GPU)."""
+    pdl_wait(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     NUM_GROUPS: tl.constexpr = (NUM_SPLITS + SLICES_PER_PROGRAM - 1) // SLICES_PER_PROGRAM
@@ -378,9 +380,10 @@ def _write_kv_kernel(
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_ckb, stride_ckt, stride_ckh, stride_cvb, stride_cvt, stride_cvh,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program t copies token t's K and V rows [Hkv, D] into its cache slot; slot < 0 is skipped."""
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
     h = tl.arange(0, BLOCK_H)
@@ -413,7 +416,7 @@ def combine_splits(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, sin
         part, lse, out, sinks if sinks is not None else lse,
         part.stride(0), part.stride(1), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
         NUM_SPLITS=S, BLOCK_S=next_pow2(S), HEAD_DIM=D, BLOCK_D=next_pow2(D), HAS_SINK=sinks is not None,
-        ORDERED=ordered, num_warps=1 if D <= 64 else 2,
+        ORDERED=ordered, num_warps=1 if D <= 64 else 2, **pdl_opts(part),
     )
 
 
@@ -576,7 +579,7 @@ def paged_attention(
         # explicit roundings already keep them apart, and the attention math keeps its FMAs.
         num_warps=num_warps or 4, **({"num_stages": num_stages} if num_stages else {}),
         **({"enable_fp_fusion": False} if rope is not None and q.is_cuda and q.dtype == torch.float32
-                        else {}),
+                        else {}), **pdl_opts(q),
     )
     if splits > 1 and not fuse:
         combine_splits(target, lse, out, None, ordered=split_keys is not None)
@@ -676,7 +679,7 @@ def write_kv(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         NUM_KV_HEADS=Hkv, HEAD_DIM=D, PAGE=k_cache.shape[1], BLOCK_H=next_pow2(Hkv), BLOCK_D=next_pow2(D),
-        num_warps=1 if Hkv * D <= 512 else 4,
+        num_warps=1 if Hkv * D <= 512 else 4, **pdl_opts(k),
     )
 
 

@@ -120,7 +120,7 @@ from torch import Tensor
 import triton
 import triton.language as tl
 
-from dspark.kernels import check_device, next_pow2
+from dspark.kernels import check_device, next_pow2, pdl_opts, pdl_wait
 from dspark.kernels.markov_sampler import _gumbel_from_words, _hi32, _lo32, _log, _philox, _precise
 from dspark.kernels.paged_attention import sm_count
 from dspark.sample.rng import STREAM_ACCEPT, STREAM_RECOVER
@@ -275,7 +275,9 @@ def _verify_standard_kernel(
     accept_stream, recover_stream,
     FINAL: tl.constexpr, PRECISE: tl.constexpr, FROM_LOGITS: tl.constexpr, Q_ROWS: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, N_PAD: tl.constexpr, OUT_PAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     s = tl.program_id(1)
     rows = (tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)).to(tl.int64)
     rm = rows < B
@@ -361,9 +363,11 @@ def _block_mass_kernel(
     B, N, V, NT, TPS,
     FROM_LOGITS: tl.constexpr, Q_ROWS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
     N_PAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Block verification with the vocabulary split, launch 1 of 3: the tile sums of R_1..R_{N-1} for
     this program's requests and tiles [s TPS, min((s + 1) TPS, NT))."""
+    pdl_wait(PDL)
     s = tl.program_id(1)
     rows = (tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)).to(tl.int64)
     rm = rows < B
@@ -395,7 +399,9 @@ def _verify_block_kernel(
     accept_stream, recover_stream,
     FINAL: tl.constexpr, HAS_MASS: tl.constexpr, PRECISE: tl.constexpr, FROM_LOGITS: tl.constexpr,
     Q_ROWS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, N_PAD: tl.constexpr, OUT_PAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     s = tl.program_id(1)
     rows = (tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)).to(tl.int64)
     rm = rows < B
@@ -448,9 +454,11 @@ def _first_argmax(best, idx, sm, S_PAD: tl.constexpr):
 def _verify_reduce_kernel(
     dt_ptr, sdt_b, nd_ptr, out_ptr, nout_ptr, pf_ptr, pi_ptr, acc_ptr, B, N, S,
     BLOCK_B: tl.constexpr, S_PAD: tl.constexpr, OUT_PAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """The split partial maxima -> the output rows; ``acc`` holds the accepted count (standard: a,
     block: τ), so both methods share it."""
+    pdl_wait(PDL)
     rows = (tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)).to(tl.int64)
     rm = rows < B
     nb = tl.minimum(tl.maximum(tl.load(nd_ptr + rows, mask=rm, other=0), 0), N).to(tl.int32)
@@ -562,6 +570,8 @@ def _verify_triton(
                                                                          "n_split", "final"))
     n_pad, out_pad = L["n_pad"], L["out_pad"]
     opts = {"enable_fp_fusion": False} if cuda else {}  # round like torch's separate ops
+    pdl = pdl_opts(seeds)
+    opts.update(pdl)
     if final:
         pf = pi = acc = num_emitted  # never written
     else:
@@ -601,7 +611,7 @@ def _verify_triton(
     if not final:
         _verify_reduce_kernel[(n_prog,)](
             draft_tokens, sdt_b, num_drafts, tokens, num_emitted, pf, pi, acc, batch, n, n_split,
-            BLOCK_B=block_b, S_PAD=L["s_pad"], OUT_PAD=out_pad, num_warps=num_warps,
+            BLOCK_B=block_b, S_PAD=L["s_pad"], OUT_PAD=out_pad, num_warps=num_warps, **pdl,
         )
     return tokens, num_emitted
 

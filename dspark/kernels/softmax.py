@@ -40,7 +40,7 @@ from torch import Tensor
 import triton
 import triton.language as tl
 
-from dspark.kernels import check_device, next_pow2
+from dspark.kernels import check_device, next_pow2, pdl_opts, pdl_wait
 from dspark.kernels.markov_sampler import _NEG_INF, _first_argmax, _gumbel_from_words, _random_words
 
 # (BLOCK_V, num_warps) on a GPU; the interpreter takes small tiles (the tests' vocabularies). H100, CUDA-graph µs
@@ -58,7 +58,8 @@ SAMPLE_TILE_CUDA = (2048, 4)
 
 @triton.jit
 def _partials_kernel(x_ptr, stride_x, t_ptr, amax_ptr, aidx_ptr, zmax_ptr, zsum_ptr, V, NT_PAD: tl.constexpr,
-                     BLOCK_V: tl.constexpr):
+                     BLOCK_V: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     b = tl.program_id(0)
     t = tl.program_id(1)
     cols = t * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -88,7 +89,8 @@ def _row_max_sum(zmax_ptr, zsum_ptr, b, NT, NT_PAD: tl.constexpr):
 
 @triton.jit
 def _probs_kernel(x_ptr, stride_x, t_ptr, amax_ptr, aidx_ptr, zmax_ptr, zsum_ptr, q_ptr, stride_q, am_ptr, V, NT,
-                  NT_PAD: tl.constexpr, BLOCK_V: tl.constexpr, ONE_HOT_GREEDY: tl.constexpr):
+                  NT_PAD: tl.constexpr, BLOCK_V: tl.constexpr, ONE_HOT_GREEDY: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     b = tl.program_id(0)
     t = tl.program_id(1)
     M, Z = _row_max_sum(zmax_ptr, zsum_ptr, b, NT, NT_PAD)
@@ -109,10 +111,12 @@ def _probs_kernel(x_ptr, stride_x, t_ptr, amax_ptr, aidx_ptr, zmax_ptr, zsum_ptr
 
 
 @triton.jit
-def _stats_kernel(t_ptr, amax_ptr, aidx_ptr, zmax_ptr, zsum_ptr, st_ptr, am_ptr, NT, NT_PAD: tl.constexpr):
+def _stats_kernel(t_ptr, amax_ptr, aidx_ptr, zmax_ptr, zsum_ptr, st_ptr, am_ptr, NT, NT_PAD: tl.constexpr,
+                  PDL: tl.constexpr):
     """Row b's (t, M, Z) and arg-max from launch A's partials: the values _probs_kernel reduces in each of
     its programs (_row_max_sum on the same partials, hence the same bits), so exp(x / t - M) / Z made
     elsewhere from them is _probs_kernel's probability to the bit."""
+    pdl_wait(PDL)
     b = tl.program_id(0)
     M, Z = _row_max_sum(zmax_ptr, zsum_ptr, b, NT, NT_PAD)
     temp = tl.load(t_ptr + b)
@@ -125,7 +129,8 @@ def _stats_kernel(t_ptr, amax_ptr, aidx_ptr, zmax_ptr, zsum_ptr, st_ptr, am_ptr,
 @triton.jit
 def _sample_partials_kernel(x_ptr, stride_x, t_ptr, seeds_ptr, pos_ptr, stream, smax_ptr, sidx_ptr, V,
                             NT_PAD: tl.constexpr, BLOCK_V: tl.constexpr, GREEDY_ONLY: tl.constexpr,
-                            PRECISE: tl.constexpr):
+                            PRECISE: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     b = tl.program_id(0)
     t = tl.program_id(1)
     cols = t * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -145,7 +150,8 @@ def _sample_partials_kernel(x_ptr, stride_x, t_ptr, seeds_ptr, pos_ptr, stream, 
 
 
 @triton.jit
-def _pick_kernel(smax_ptr, sidx_ptr, out_ptr, NT, NT_PAD: tl.constexpr):
+def _pick_kernel(smax_ptr, sidx_ptr, out_ptr, NT, NT_PAD: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     b = tl.program_id(0)
     tok = _first_argmax(smax_ptr + b * NT_PAD, sidx_ptr + b * NT_PAD, NT, NT_PAD)
     tl.store(out_ptr + b, tok.to(tl.int64))
@@ -196,8 +202,9 @@ def temperature_sample(logits: Tensor, temperature: Tensor | None, seeds: Tensor
     sidx = torch.empty(R, nt_pad, dtype=torch.int32, device=dev)
     _sample_partials_kernel[(R, nt)](logits, logits.stride(0), temperature, seeds, positions, stream, smax, sidx, V,
                                      NT_PAD=nt_pad, BLOCK_V=block_v, GREEDY_ONLY=greedy_only,
-                                     PRECISE=logits.is_cuda, num_warps=num_warps or warps)
-    _pick_kernel[(R,)](smax, sidx, out, nt, NT_PAD=nt_pad, num_warps=1)
+                                     PRECISE=logits.is_cuda, num_warps=num_warps or warps,
+                                     **pdl_opts(logits))
+    _pick_kernel[(R,)](smax, sidx, out, nt, NT_PAD=nt_pad, num_warps=1, **pdl_opts(logits))
     return out
 
 
@@ -239,7 +246,7 @@ def _row_partials(logits: Tensor, temperature: Tensor, argmax_out: Tensor | None
     aidx = torch.empty(R, nt_pad, dtype=torch.int32, device=dev)
     if R:
         _partials_kernel[(R, nt)](logits, logits.stride(0), temperature, amax, aidx, zmax, zsum, V, NT_PAD=nt_pad,
-                                  BLOCK_V=block_v, num_warps=warps)
+                                  BLOCK_V=block_v, num_warps=warps, **pdl_opts(logits))
     return logits, temperature, argmax_out, (amax, aidx, zmax, zsum), nt, nt_pad, block_v, warps
 
 
@@ -261,7 +268,8 @@ def temperature_softmax_argmax(logits: Tensor, temperature: Tensor, *, probs_out
     if R == 0:
         return probs_out, argmax_out
     _probs_kernel[(R, nt)](logits, logits.stride(0), temperature, *parts, probs_out, probs_out.stride(0), argmax_out,
-                           V, nt, NT_PAD=nt_pad, BLOCK_V=block_v, ONE_HOT_GREEDY=one_hot_greedy, num_warps=warps)
+                           V, nt, NT_PAD=nt_pad, BLOCK_V=block_v, ONE_HOT_GREEDY=one_hot_greedy, num_warps=warps,
+                           **pdl_opts(logits))
     return probs_out, argmax_out
 
 
@@ -300,7 +308,7 @@ def temperature_softmax_stats(logits: Tensor, temperature: Tensor, *, stats_out:
     if R:  # with _probs_kernel's warps: its reductions of the partials, laid out alike
         amax, aidx, zmax, zsum = parts
         _stats_kernel[(R,)](temperature, amax, aidx, zmax, zsum, stats_out, argmax_out, nt, NT_PAD=nt_pad,
-                            num_warps=warps)
+                            num_warps=warps, **pdl_opts(amax))
     return stats_out, argmax_out
 
 

@@ -27,14 +27,15 @@ from torch import Tensor
 import triton
 import triton.language as tl
 
-from dspark.kernels import check_device, next_pow2
+from dspark.kernels import check_device, next_pow2, pdl_opts, pdl_wait
 from dspark.spec.rejection import verify_greedy
 
 
 # ------------------------------------------------------------------------------ greedy verification
 @triton.jit
 def _verify_greedy_kernel(am_ptr, s_am, d_ptr, s_d, nd_ptr, out_ptr, nout_ptr, t_ptr, so_ptr, s_so, sn_ptr, N,
-                          SAMPLED: tl.constexpr, BLOCK: tl.constexpr):
+                          SAMPLED: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     b = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, BLOCK)
     nd = tl.load(nd_ptr + b).to(tl.int64)
@@ -76,7 +77,8 @@ def verify_greedy_rows(target_argmax: Tensor, draft_tokens: Tensor, num_drafts: 
     if B:
         _verify_greedy_kernel[(B,)](target_argmax, target_argmax.stride(0), draft_tokens, draft_tokens.stride(0),
                                     num_drafts, out, n_out, t, so, so.stride(0), sn, n,
-                                    SAMPLED=sampled is not None, BLOCK=next_pow2(n + 1), num_warps=1)
+                                    SAMPLED=sampled is not None, BLOCK=next_pow2(n + 1), num_warps=1,
+                                    **pdl_opts(out))
     return out, n_out
 
 
@@ -94,7 +96,8 @@ def verify_greedy_reference(target_argmax: Tensor, draft_tokens: Tensor, num_dra
 # ------------------------------------------------------------------- rows of a block launched on top
 @triton.jit
 def _shift_rows_kernel(pos_ptr, slot_ptr, ids_ptr, seq_ptr, ntok_ptr, bt_ptr, s_bt, idx_ptr, nout_ptr, out_ptr,
-                       s_out, dr_ptr, s_dr, q, bs, HAS_IDX: tl.constexpr, BLOCK: tl.constexpr):
+                       s_out, dr_ptr, s_dr, q, bs, HAS_IDX: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     b = tl.program_id(0).to(tl.int64)
     if HAS_IDX:
         p = tl.load(idx_ptr + b).to(tl.int64)
@@ -128,7 +131,7 @@ def shift_rows(positions: Tensor, slot_mapping: Tensor, input_ids: Tensor, seq_l
         _shift_rows_kernel[(B,)](positions, slot_mapping, input_ids, seq_lens, num_tokens, block_tables,
                                  block_tables.stride(0), idx if idx is not None else n_out, n_out, out, out.stride(0),
                                  drafts, drafts.stride(0), q, block_size, HAS_IDX=idx is not None, BLOCK=next_pow2(q),
-                                 num_warps=1)
+                                 num_warps=1, **pdl_opts(out))
 
 
 def shift_rows_reference(positions: Tensor, slot_mapping: Tensor, input_ids: Tensor, seq_lens: Tensor,
@@ -161,7 +164,8 @@ def shift_rows_reference(positions: Tensor, slot_mapping: Tensor, input_ids: Ten
 # of 32 compiled its own inside a served step (H100, session 44: 121 ms in a timed batch-32 bench cell).
 @triton.jit(do_not_specialize=["B"])
 def _drafter_inputs_kernel(out_ptr, s_out, nout_ptr, commit_ptr, ntok_ptr, valid_ptr, anc_ptr, apos_ptr, B, q,
-                           HAS_COMMIT: tl.constexpr, BLOCK: tl.constexpr):
+                           HAS_COMMIT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     b = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, BLOCK)
     live = b < B
@@ -186,7 +190,7 @@ def drafter_inputs(out: Tensor, n_out: Tensor, commit: Tensor | None, num_tokens
     assert out.stride(1) == 1 and valid.shape == (Bg * q,) and anchor_pos.shape == num_tokens.shape == (Bg,)
     _drafter_inputs_kernel[(Bg,)](out, out.stride(0), n_out, commit if commit is not None else n_out, num_tokens,
                                   valid, anchors, anchor_pos, out.shape[0], q, HAS_COMMIT=commit is not None,
-                                  BLOCK=next_pow2(q), num_warps=1)
+                                  BLOCK=next_pow2(q), num_warps=1, **pdl_opts(out))
 
 
 def drafter_inputs_reference(out: Tensor, n_out: Tensor, commit: Tensor | None, num_tokens: Tensor, valid: Tensor,

@@ -158,6 +158,18 @@ def test_k_loop_steps(M: int, K: int, block_k: int | None) -> None:
     _assert_gemv_close(linear_small_m(x, w, block_k=block_k), linear_small_m_reference(x, w), _bound(x, w))
 
 
+@pytest.mark.parametrize(("M", "K", "block_k"), [(1, 576, None), (3, 576, 64), (2, 100, 64)])
+def test_prefetched_first_step(M: int, K: int, block_k: int | None) -> None:
+    """PREFETCH (the first K step's weight tiles loaded before pdl_wait, the GPU's default with PDL) gives the same
+    bits as loading them in the K loop: the same products in the same order, one K step or several."""
+    x, res, nw, w, _ = _inputs(M, K, 24, torch.float32, True, True, seed=K + M)
+    for fn, args in ((add_rms_norm_linear, (x, res, nw, 1e-5, w)), (add_rms_norm_gate_up_silu, (x, res, nw, 1e-5, w)),
+                     (linear_small_m, (x, w))):
+        with_pre, without = (fn(*args, block_k=block_k, prefetch=p) for p in (True, False))
+        for a, b in zip(*((t,) if isinstance(t, torch.Tensor) else t for t in (with_pre, without))):
+            assert torch.equal(a, b), fn.__name__
+
+
 def test_output_major_weight_view() -> None:
     """A transposed view of an output-major copy (layers/linear.py CUDA_OUTPUT_MAJOR) reads the same values."""
     x, res, nw, w, _ = _inputs(3, 100, 40, torch.bfloat16, True, False, seed=9)
