@@ -144,6 +144,9 @@ def fewrow_reports(arch: int = 90, row_tiles: tuple[int, ...] = (16, 32, 64, 128
     SwiGLU, down + residual, split-K) at the default launch of each program row tile (fewrow_config /
     qkv_rope_config with block_m = the tile: 32-64-row programs take their own settings, fewrow.WIDE_TUNING; the
     engine's programs take at most fewrow.PROGRAM_ROWS, 64), bf16: does a launch spill, or lose the tensor cores?"""
+    import torch
+
+    from dspark import kernels
     from dspark.kernels import fewrow as fr
 
     ptrs = {"pin_ptr": "*fp32", "pout_ptr": "*fp32", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "pos_ptr": "*i64",
@@ -157,6 +160,7 @@ def fewrow_reports(arch: int = 90, row_tiles: tuple[int, ...] = (16, 32, 64, 128
         else:
             types[prm.name] = "fp32" if prm.name in ("eps", "qk_eps") else "i32"
     H, Q, I, D = 576, 960, 1536, 64
+    K_OF = {"qkv_rope": H, "o_resid": H, "gate_up_silu": H, "down_resid": I}
     products = {  # name -> (its launch for programs of bm rows, flags)
         "qkv_rope": (lambda bm: fr.qkv_rope_config(H, Q, D, rows=bm, block_m=bm), dict(SCALE=True, ROPE=True, D=D)),
         "o_resid": (lambda bm: fr.fewrow_config(H, H, rows=bm, block_m=bm), dict(RESID=True, HAS_G=True)),
@@ -171,6 +175,10 @@ def fewrow_reports(arch: int = 90, row_tiles: tuple[int, ...] = (16, 32, 64, 128
                           SPLIT=cfg["SPLIT"], BM=bm, SCALE=False, GATE_UP=False, RESID=False, HAS_G=False, PRECISE=True,
                           IEEE=False, ROPE=False, D=2, QK_NORM=False)
             consts.update(flags)
+            # the L2 prefetch of the weight slice (with PDL) as the engine's output-major weight copies take it
+            cols = {"qkv_rope": Q, "o_resid": H, "gate_up_silu": 2 * I, "down_resid": H}[name]
+            w_om = torch.empty(cols, K_OF[name], dtype=torch.bfloat16).t()
+            consts.update(fr._prefetch_grid(w_om, cfg, kernels.PDL and arch >= 90))
             rep = compile_report(fr._fewrow_kernel, consts, types, cfg["num_warps"], cfg["NUM_STAGES"], arch)
             reports.append({"product": name, "row_tile": bm, "block_n": cfg["BLOCK_N"], "split": cfg["SPLIT"], **rep})
     return reports

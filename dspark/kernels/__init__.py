@@ -31,6 +31,9 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: 
 # may write (weights it may read before). Kernels launched without it are ordinary stream-ordered
 # launches, so mixing is safe. DSPARK_PDL=0 turns it off (the A/B).
 PDL = os.environ.get("DSPARK_PDL", "1") != "0"
+# With PDL, the weight-streaming kernels (gemv.py, fewrow.py) start loading their weights before pdl_wait:
+# nothing in a step writes a weight, so that load overlaps the previous kernel. DSPARK_PDL_PREFETCH=0: not (the A/B).
+PDL_PREFETCH = os.environ.get("DSPARK_PDL_PREFETCH", "1") != "0"
 _CAPABILITY: dict = {}
 
 

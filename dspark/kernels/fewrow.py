@@ -44,7 +44,7 @@ from torch import Tensor
 import triton
 import triton.language as tl
 
-from dspark.kernels import check_device, next_pow2, pdl_wait
+from dspark.kernels import PDL_PREFETCH, check_device, next_pow2, pdl_wait
 from dspark.kernels.fused_ops import (
     _cache_strides, _launch_opts, _rope, add_rms_norm_reference, cast_rtne, rope_qk_cache, silu_and_mul_reference,
     silu_mul_rounded,
@@ -90,11 +90,11 @@ def _fewrow_kernel(
     # counters [row blocks, tiles]
     pos_ptr, cos_ptr, sin_ptr, stride_cs, qn_ptr, kn_ptr, qk_eps,  # ROPE: positions, tables, q/k norm weights
     kc_ptr, vc_ptr, sc_slot, sc_head, slot_ptr, Q_SIZE, KV_SIZE,  # ROPE: the paged K/V caches and slots
-    M, K, N, UP, K_PER, RT,
+    M, K, N, UP, K_PER, RT, n_max,  # n_max: the weight's last column (PF_K)
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, P_PAD: tl.constexpr, SPLIT: tl.constexpr,
     BM: tl.constexpr, SCALE: tl.constexpr, GATE_UP: tl.constexpr, RESID: tl.constexpr, HAS_G: tl.constexpr,
     PRECISE: tl.constexpr, IEEE: tl.constexpr, ROPE: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, PF_K: tl.constexpr, PF_KSTEP: tl.constexpr, PF_N: tl.constexpr, PF_NSTEP: tl.constexpr,
 ):
     """y[rows, n] = a[rows] @ W[:, n] for this program's BM rows (row block program_id(2)) and BLOCK_N
     columns: a bare tensor-core K loop, then
@@ -109,8 +109,11 @@ def _fewrow_kernel(
     ROPE (the qkv product, BLOCK_N = D / 2): each program also multiplies its partner half-head (the
     other half of the same head: columns n + D/2 for a first half, n - D/2 for a second), so the epilogue
     has both halves that rotate-half RoPE pairs (and a q/k norm sums over): it rotates q and k, stores q
-    in y and writes k and v into the paged caches at the rows' slots (fused_ops.rope_qk_cache's work)."""
-    pdl_wait(PDL)
+    in y and writes k and v into the paged caches at the rows' slots (fused_ops.rope_qk_cache's work).
+
+    PF_K > 0 (with PDL): before pdl_wait, the program's weight slice (and its second tile's) is prefetched into
+    the L2 (one address per 128-byte line: PF_K x PF_N lines PF_KSTEP / PF_NSTEP elements apart), so that its
+    load from HBM overlaps the previous kernel; the K loop then reads it from the L2."""
     pid = tl.program_id(0)
     j = tl.program_id(1)
     rb = tl.program_id(2)
@@ -125,6 +128,12 @@ def _fewrow_kernel(
     if ROPE:
         UP = BLOCK_N - 2 * BLOCK_N * (pid % 2)  # the partner half-head's columns
     k_lo = j * K_PER
+    if PF_K > 0:
+        _prefetch_l2(w_ptr, stride_wk, stride_wn, k_lo, K, pid * BLOCK_N, n_max, PF_K, PF_KSTEP, PF_N, PF_NSTEP)
+        if GATE_UP or ROPE:
+            _prefetch_l2(w_ptr, stride_wk, stride_wn, k_lo, K, pid * BLOCK_N + UP, n_max, PF_K, PF_KSTEP, PF_N,
+                         PF_NSTEP)
+    pdl_wait(PDL)
     for k0 in tl.range(k_lo, k_lo + K_PER, BLOCK_K, num_stages=NUM_STAGES):
         k = k0 + kb
         km = k < K
@@ -178,6 +187,18 @@ def _fewrow_kernel(
     else:
         _epilogue(acc, acc_u, rows, rm, n, nm, y_ptr, stride_y, pin_ptr, n_pin, eps, r_ptr, stride_r, z_ptr,
                   stride_z, g_ptr, pout_ptr, pid, K, RT, P_PAD, SCALE, GATE_UP, RESID, HAS_G, PRECISE)
+
+
+@triton.jit
+def _prefetch_l2(w_ptr, stride_wk, stride_wn, k0, K, n0, n_max, PF_K: tl.constexpr, PF_KSTEP: tl.constexpr,
+                 PF_N: tl.constexpr, PF_NSTEP: tl.constexpr):
+    """prefetch.global.L2 of the weight's rows k0 + i * PF_KSTEP (i < PF_K) x columns n0 + c * PF_NSTEP (c < PF_N),
+    clamped into the weight (a repeated line costs nothing more). A hint: no value is read."""
+    k = tl.minimum(k0 + tl.arange(0, PF_K) * PF_KSTEP, K - 1)
+    n = tl.minimum(n0 + tl.arange(0, PF_N) * PF_NSTEP, n_max)
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l",
+                              [w_ptr + k[:, None] * stride_wk + n[None, :] * stride_wn], dtype=tl.int32,
+                              is_pure=False, pack=1)
 
 
 @triton.jit
@@ -404,6 +425,7 @@ def _launch(a, w_t, y, N, up, cfg, sumsq=None, eps=0.0, residual=None, z=None, g
     n_pin = sumsq.partials.shape[0] if sumsq is not None else 0
     n_tiles = triton.cdiv(N, cfg["BLOCK_N"])
     ws = cnt = dummy
+    opts = _launch_opts(a)
     if cfg["SPLIT"] > 1:
         w = workspace(a.device, cfg["SPLIT"] * n_tiles * n_rb * 2 * bm * cfg["BLOCK_N"], n_tiles * n_rb)
         ws, cnt = w.ws, w.cnt
@@ -417,13 +439,25 @@ def _launch(a, w_t, y, N, up, cfg, sumsq=None, eps=0.0, residual=None, z=None, g
         r.get("q_norm", dummy), r.get("k_norm", dummy), r.get("qk_eps", 0.0), r.get("k_cache", dummy),
         r.get("v_cache", dummy), r.get("sc_slot", 0), r.get("sc_head", 0), r.get("slots", dummy),
         r.get("q_size", 0), r.get("kv_size", 0),
-        M, K, N, up, cfg["K_PER"], row_tile(M),
+        M, K, N, up, cfg["K_PER"], row_tile(M), w_t.shape[1] - 1,
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], NUM_STAGES=cfg["NUM_STAGES"], P_PAD=next_pow2(max(n_pin, 1)),
         SPLIT=cfg["SPLIT"], BM=bm, SCALE=sumsq is not None, GATE_UP=gate_up, RESID=residual is not None,
         HAS_G=g is not None, PRECISE=a.device.type == "cuda", IEEE=a.dtype == torch.float32 or a.device.type != "cuda",
         ROPE=rope is not None, D=r.get("D", 2), QK_NORM=r.get("q_norm") is not None,
-        num_warps=cfg["num_warps"], **_launch_opts(a),
+        num_warps=cfg["num_warps"], **opts, **_prefetch_grid(w_t, cfg, opts["PDL"]),
     )
+
+
+def _prefetch_grid(w_t: Tensor, cfg: dict, pdl: bool) -> dict:
+    """_fewrow_kernel's PF_* constexprs: with PDL (and PDL_PREFETCH), one address per 128-byte line of a program's
+    weight slice (K_PER rows x BLOCK_N columns) along the weight's contiguous dimension; else PF_K 0 (none)."""
+    if not (pdl and PDL_PREFETCH) or 1 not in w_t.stride():
+        return dict(PF_K=0, PF_KSTEP=1, PF_N=1, PF_NSTEP=1)
+    line = max(1, 128 // w_t.element_size())
+    if w_t.stride(0) == 1:  # output-major copy: each column's K slice is contiguous
+        return dict(PF_K=next_pow2(triton.cdiv(cfg["K_PER"], line)), PF_KSTEP=line, PF_N=cfg["BLOCK_N"], PF_NSTEP=1)
+    return dict(PF_K=next_pow2(cfg["K_PER"]), PF_KSTEP=1, PF_N=next_pow2(triton.cdiv(cfg["BLOCK_N"], line)),
+                PF_NSTEP=line)
 
 
 def _check_sumsq(sumsq: SumSq | None, K: int, rows: int) -> None:

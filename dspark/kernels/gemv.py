@@ -59,15 +59,13 @@ the products of two bf16 numbers are exact in fp32, so only the order of the fp3
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
 
 import triton
 import triton.language as tl
 
-from dspark.kernels import check_device, next_pow2, pdl_wait
+from dspark.kernels import PDL_PREFETCH, check_device, next_pow2, pdl_wait
 from dspark.kernels.fused_ops import (
     _launch_opts, add_rms_norm_reference, cast_rtne, silu_and_mul_reference, silu_mul_rounded,
 )
@@ -76,7 +74,6 @@ MAX_ROWS = 16  # the row loop is unrolled: more rows belong to a GEMM
 TARGET_PROGRAMS = 128  # about the SM count (H200: 132): programs wanted along N
 WEIGHT_ELEMS_PER_THREAD = 64  # register budget of the weight tile(s) per K step
 NORM_TILE_ELEMS = 8192  # rows x K elements of the sum-of-squares tile
-PDL_PREFETCH = os.environ.get("DSPARK_PDL_PREFETCH", "1") != "0"  # the first weight tile before pdl_wait
 
 
 # ------------------------------------------------------------------------------------- kernel
