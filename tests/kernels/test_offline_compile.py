@@ -5,6 +5,7 @@ Run in a subprocess: the tool needs Triton compiled, not in the interpreter thes
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -46,9 +47,10 @@ def test_a_launch_that_cannot_compile_reports_why():
 
 def test_fewrow_row_tiles_compile_and_128_rows_do_not_spill():
     """--fewrow: the four SmolLM2 products at every row tile compile for sm_90; 64- and 128-row tiles reach the
-    wgmma tensor cores; the 128-row tiles' launch (8 warps, fewrow_config(rows=)) does not spill, as 4 warps did."""
+    wgmma tensor cores; the 128-row tiles' launch (8 warps, fewrow_config(rows=)) does not spill, as 4 warps did.
+    With DSPARK_PDL=1: the launches with programmatic dependent launch and the weight slice's L2 prefetch."""
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "offline_compile.py"), "--fewrow"],
-                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+                       capture_output=True, text=True, timeout=600, cwd=ROOT, env={**os.environ, "DSPARK_PDL": "1"})
     reps = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     assert r.returncode == 0 and len(reps) == 16, r.stderr[-2000:]
     assert all("error" not in rep for rep in reps)
@@ -56,15 +58,17 @@ def test_fewrow_row_tiles_compile_and_128_rows_do_not_spill():
     assert all(rep["wgmma"] for rep in reps if rep["row_tile"] >= 64)
     big = [rep for rep in reps if rep["row_tile"] == 128]
     assert all(rep["num_warps"] == 8 and rep["spill_stores"] == 0 for rep in big), big
+    assert all(rep["constexprs"]["PDL"] and rep["constexprs"]["PF_K"] > 0 for rep in reps)
 
 
 def test_every_engine_launch_compiles_for_sm90():
     """--engine: every distinct launch of the tiny engines' one-sync DSpark steps (probabilistic and greedy drafts,
     block and standard verification, from logits) and plain steps, recorded under the interpreter, compiles for
     sm_90. Session 57's ``_verify_greedy_kernel`` with sampled rows did not (a value int32 before an ``if`` and
-    int64 in it: the interpreter accepts that, Triton's compiler does not); this test fails on that code."""
+    int64 in it: the interpreter accepts that, Triton's compiler does not); this test fails on that code. With
+    DSPARK_PDL=1, so every kernel's programmatic-dependent-launch variant (pdl_wait) is the one compiled."""
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "offline_compile.py"), "--engine"],
-                       capture_output=True, text=True, timeout=1200, cwd=ROOT)
+                       capture_output=True, text=True, timeout=1200, cwd=ROOT, env={**os.environ, "DSPARK_PDL": "1"})
     reps = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     assert reps, r.stderr[-3000:]
     assert r.returncode == 0 and not [rep for rep in reps if "error" in rep], [rep for rep in reps if "error" in rep]
@@ -73,5 +77,6 @@ def test_every_engine_launch_compiles_for_sm90():
                  ("_rms_norm_kernel", "SELECT", True), ("_verify_block_kernel", "FROM_LOGITS", True),
                  ("_verify_standard_kernel", "Q_ROWS", True), ("_shift_rows_kernel", "HAS_IDX", True)]:
         assert want in launched, want
+    assert all(rep["constexprs"].get("PDL", True) for rep in reps)  # every kernel with the parameter: on
     assert {"_block_inputs_kernel", "_row_flags_kernel", "_drafter_attention_kernel", "_paged_attention_kernel",
             "_stats_kernel", "_drafter_inputs_kernel"} <= {rep["kernel"] for rep in reps}
