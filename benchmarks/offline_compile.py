@@ -27,7 +27,7 @@ filter kernels, GEMVs) are not made on a CPU: --fewrow covers the few-row ones. 
     python benchmarks/offline_compile.py --launches /tmp/l.json
 
 Kernels with a PDL parameter compile as dspark.kernels.pdl_opts launches them on the target: with programmatic
-dependent launch when DSPARK_PDL=1 (off by default until measured), so run the checks with DSPARK_PDL=1 too.
+dependent launch (the default on sm_90+; DSPARK_PDL=0 compiles the variants without it).
 
 Argument types, unless --types says otherwise: ``*_ptr`` -> ``*bf16``, ``qk_scale``/``scale`` -> ``fp32``, an
 UPPER_CASE name -> a constexpr (its value from --constexprs), any other -> ``i64``. Prints one JSON line per compile.
