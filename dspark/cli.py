@@ -24,9 +24,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         '"num_speculative_tokens": N, "draft_sample_method": "greedy"|"probabilistic", '
                         '"rejection_sample_method": "standard"|"block"}; default: the drafter dspark ships '
                         'for the model, if any (dspark/drafters), drafting probabilistically, verifying '
-                        'sampled requests by block verification, all-sampled batches of >= 16 verifying 3 drafts '
-                        '(dspark\'s keys "sampled_verify_length", "sampled_verify_min_batch"; "verify_lengths" for '
-                        'adaptive verification); eager steps (CPU, --enforce-eager) schedule per-request verify '
+                        'sampled requests by block verification, all-sampled batches of >= 16 and batches with greedy '
+                        'requests of 12-32 verifying 3 drafts (dspark\'s keys "sampled_verify_length", '
+                        '"sampled_verify_min_batch", "greedy_verify_batches"; "verify_lengths" for adaptive '
+                        'verification); eager steps (CPU, --enforce-eager) schedule per-request verify '
                         'lengths from the confidence head and pause drafting when plain decoding is faster '
                         '("confidence_scheduling": false turns that off)')
     p.add_argument("--no-spec", action="store_true", help="no speculative decoding (ignore the shipped drafter)")

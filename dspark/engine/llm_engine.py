@@ -24,7 +24,7 @@ from dspark.engine.scheduler import Scheduler
 from dspark.models.loader import load_model
 from dspark.sampling_params import InvalidRequestError, SamplingParams
 from dspark.spec.adaptive import AcceptanceEstimate, SampledBatchRule, VerifyLengthPolicy
-from dspark.spec.config import SpeculativeConfig
+from dspark.spec.config import SpeculativeConfig, SpeculativeConfigError
 from dspark.spec.metrics import SpecStats
 from dspark.spec.proposer import DSparkProposerFactory
 
@@ -106,7 +106,12 @@ class LLMEngine:
                 n = spec.num_speculative_tokens
                 if spec.verify_lengths is not None or (n is not None and fill.get("sampled_verify_length", 0) >= n):
                     fill.pop("sampled_verify_length", None)
+                if "sampled_verify_length" not in fill and spec.sampled_verify_length is None:  # the rule is off
+                    fill.pop("greedy_verify_batches", None)
                 spec = replace(spec, **fill)
+        if spec is not None and spec.greedy_verify_batches is not None and spec.sampled_verify_length is None:
+            raise SpeculativeConfigError("greedy_verify_batches needs sampled_verify_length: the number of drafts "
+                                         "those batches verify")
         if spec is not None and factory is None:
             factory = DSparkProposerFactory(spec, mc, cfg.max_model_len + 64, cfg.dtype, dev)
         if factory is not None and spec is None:
@@ -227,12 +232,14 @@ class LLMEngine:
 
     def enable_sampled_batch_rule(self, **rule_kw) -> None:
         """Verify ``sampled_verify_length`` drafts in batches of sampled requests only, at least
-        ``sampled_verify_min_batch`` of them, else num_speculative_tokens (spec/adaptive.py SampledBatchRule)."""
+        ``sampled_verify_min_batch`` of them, and in batches with greedy requests whose size is in
+        ``greedy_verify_batches``; else num_speculative_tokens (spec/adaptive.py SampledBatchRule)."""
         spec = self.spec_config
         if spec.sampled_verify_length is None or len(self.runner.graph_sets) < 2:
             raise ValueError("the sampled-batch rule needs sampled_verify_length and a graph set for each length")
         self.verify_policy = SampledBatchRule(spec.sampled_verify_length, max(self.runner.graph_sets),
-                                              spec.sampled_verify_min_batch, **rule_kw)
+                                              spec.sampled_verify_min_batch, greedy_batches=spec.greedy_verify_batches,
+                                              **rule_kw)
         self._next_length = None
         self._last_readback = None
 

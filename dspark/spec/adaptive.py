@@ -236,29 +236,49 @@ class SampledBatchRule(_LengthChoice):
     faster with 7 (session 32), and at batch 1 the target's step costs about the same for fewer rows
     (session 19: block 7 beat block 5 there). Why sampled requests want fewer drafts: their conditional
     acceptance is ~0.5 per slot against ~0.7 greedy, and a sampled draft slot costs more (the Markov loop
-    samples and writes the slot's q; verification compares whole distributions). A mixed batch verifies
-    ``long``: its greedy requests would lose the most, and no mixed cell was measured.
+    samples and writes the slot's q; verification compares whole distributions).
+
+    Batches with greedy requests (greedy or mixed) verify ``short`` where their size is within
+    ``greedy_batches`` (``SpeculativeConfig.greedy_verify_batches``; the shipped drafter: 12 to 32), else
+    ``long``. Programmatic dependent launch (session 60) moved the greedy verdict: steps of up to 128 rows
+    (few-row kernels) got 12-16 % faster, steps on cuBLAS ~2 %, so on an H100 greedy batch 16 verifying 3
+    drafts (64 rows) ran 1.62x plain against 1.42-1.43x with 7 (128 rows), batch 32 1.38-1.41x against
+    1.28-1.29x (256 rows, cuBLAS), batch 8 1.71x against 1.75-1.76x (docs/benchmarks.md, session 61, fixed
+    3 drafts against fixed 7 in one process). Why: a step's cost goes by the few-row kernels' 64-row blocks up to
+    128 rows and by cuBLAS past them — at batch 16 3 drafts are one block against two, at 32 128 rows against 256 on
+    cuBLAS, at 8 7 drafts are already one block. The window starts at 12 (not measured; by the same count, 96 rows
+    against 48) so that a batch of 16 dipping while requests finish and others are admitted stays short. A mixed
+    batch in the window verifies ``short`` as both kinds do alone; above it ``long`` (no greedy or mixed cell of 64
+    or more was measured since).
 
     The engine drives it as it drives ``VerifyLengthPolicy`` (``_LengthChoice``: the same hysteresis) but
     keeps no acceptance estimate: the rule does not read one (feeding it cost the host ~20 µs per step; at
     batch 1 the host's work per step is close to the GPU's step time, session 37)."""
 
-    def __init__(self, short: int, long: int, min_batch: int, min_steps: int = 16, interval: int = 8) -> None:
+    def __init__(self, short: int, long: int, min_batch: int, min_steps: int = 16, interval: int = 8,
+                 greedy_batches: tuple[int, int] | None = None) -> None:
         if not 1 <= short < long:
             raise ValueError(f"the sampled verify length {short} must be in [1, {long})")
         super().__init__(None, min_steps, interval)
         self.short, self.long, self.min_batch = short, long, min_batch
+        self.greedy_batches = greedy_batches
         self.lengths = (short, long)
 
     def fresh(self) -> "SampledBatchRule":
         """The same rule with no history (after the warm-up)."""
-        return SampledBatchRule(self.short, self.long, self.min_batch, self.min_steps, self.interval)
+        return SampledBatchRule(self.short, self.long, self.min_batch, self.min_steps, self.interval,
+                                self.greedy_batches)
 
     def choose(self, current: int, num_greedy: int, num_sampled: int) -> int:
-        """The length for the next step: the short one for an all-sampled batch of at least min_batch."""
-        if num_greedy + num_sampled == 0 or self.steps_since_change < self.min_steps:
+        """The length for the next step: the short one for an all-sampled batch of at least min_batch, and for a
+        batch with greedy requests whose size is within ``greedy_batches``."""
+        n = num_greedy + num_sampled
+        if n == 0 or self.steps_since_change < self.min_steps:
             return current
-        return self.short if num_greedy == 0 and num_sampled >= self.min_batch else self.long
+        if num_greedy == 0:
+            return self.short if n >= self.min_batch else self.long
+        g = self.greedy_batches
+        return self.short if g is not None and g[0] <= n <= g[1] else self.long
 
 
 class ConfidenceScheduler:

@@ -35,6 +35,16 @@ class SpeculativeConfig:
     # None: off. Needs CUDA graphs, as verify_lengths; the two are exclusive.
     sampled_verify_length: int | None = None
     sampled_verify_min_batch: int = 8
+    # The same rule for batches with greedy requests (greedy or mixed; dspark's key): [lo, hi], a batch of lo to hi
+    # speculating requests, any of them greedy, verifies sampled_verify_length drafts too. Why a window: with
+    # programmatic dependent launch (session 60) steps of up to 128 rows on the few-row kernels got 12-16 % faster,
+    # steps of more rows (cuBLAS) ~2 %: on an H100 greedy batch 16 and 32 ran 14 % and 8-9 % faster verifying 3 drafts
+    # (64 and 128 rows) than 7 (128 and 256), batch 8 3 % slower (docs/benchmarks.md, session 61); batches of 64
+    # and more are not measured since (on the H200 before it, 7 was ahead at 64, 3 at 128: session 32). The shipped
+    # drafter's [12, 32]: 12 by the row count (SampledBatchRule), not measured. None: off.
+    # Needs sampled_verify_length (the shipped drafter's settings bring one; checked once they are filled in:
+    # LLMEngine).
+    greedy_verify_batches: tuple[int, int] | None = None
     # Confidence-scheduled verification (dspark's key; spec/adaptive.py ConfidenceScheduler, dspark.md §4):
     # on eagerly run steps (the CPU, --enforce-eager), each request verifies the drafts whose confidence-head
     # survival is worth their target rows at the measured cost per row, and drafting pauses for a few steps
@@ -72,6 +82,13 @@ class SpeculativeConfig:
             x = getattr(self, key)
             if x is not None and (not isinstance(x, int) or isinstance(x, bool) or x < 1):
                 raise SpeculativeConfigError(f"{key} must be an integer >= 1, got {x!r}")
+        g = self.greedy_verify_batches
+        if g is not None:
+            if (not isinstance(g, (list, tuple)) or len(g) != 2
+                    or any(not isinstance(x, int) or isinstance(x, bool) or x < 1 for x in g) or g[0] > g[1]):
+                raise SpeculativeConfigError(
+                    f"greedy_verify_batches must be [lo, hi], two integers with 1 <= lo <= hi, got {g!r}")
+            object.__setattr__(self, "greedy_verify_batches", tuple(g))
         c = self.confidence_scheduling
         if c is not None and not isinstance(c, bool):
             raise SpeculativeConfigError(f"confidence_scheduling must be true, false or null, got {c!r}")

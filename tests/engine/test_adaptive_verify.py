@@ -144,3 +144,26 @@ def test_sampled_batch_rule_in_the_engine(spec_pair, prompts, plain):
     eng.warm_up()
     assert eng.verify_policy.changes == 0 and eng.verify_policy.steps == 0 and eng.runner.num_spec_tokens == 4
     assert (eng.verify_policy.min_steps, eng.verify_policy.min_batch) == (1, 2)
+
+
+def test_greedy_window_of_the_batch_rule_in_the_engine(spec_pair, prompts, plain):
+    """greedy_verify_batches: three greedy requests (window [3, 4]) verify 1 draft; when the shortest has finished,
+    the two left (under the window) go back to 4 drafts. Greedy tokens are plain decoding's through both changes
+    (the async pipeline drained at each), and the KV pool is whole."""
+    llm = _llm(spec_pair, sampled_verify_length=1, sampled_verify_min_batch=4, greedy_verify_batches=[3, 4])
+    eng = llm.engine
+    assert sorted(eng.runner.graph_sets) == [1, 4]
+    eng.enable_sampled_batch_rule(min_steps=1, interval=1)
+    assert eng.verify_policy.greedy_batches == (3, 4)
+    lengths = []
+    watch = eng.runner.use_verify_length
+    eng.runner.use_verify_length = lambda n: (lengths.append(n), watch(n))[1]
+    n_tok = (26, 26, 8)
+    got, _, _ = _drive(llm, [(p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+                             for p, n in zip(prompts, n_tok)])
+    for i, n in enumerate(n_tok):
+        assert got[f"req-{i}"].token_ids == plain[i][:n], i
+    assert lengths[:2] == [1, 4], lengths  # down for the three, up again for the two
+    steps = eng.spec_stats.length_steps
+    assert steps.get(1, 0) >= 2 and steps.get(4, 0) >= 2, steps
+    eng.kv.check_integrity()

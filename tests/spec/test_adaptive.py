@@ -213,8 +213,20 @@ def test_sampled_batch_rule_chooses_by_the_batch_and_waits_after_a_change():
     assert due == [True, False, False, False, True, False, False, False]
     fresh = rule.fresh()
     assert (fresh.short, fresh.long, fresh.min_batch, fresh.min_steps, fresh.changes) == (3, 7, 8, 2, 0)
+    assert fresh.greedy_batches is None
     with pytest.raises(ValueError, match="sampled verify length 7 must be in"):
         SampledBatchRule(7, 7, min_batch=8)
+
+
+def test_sampled_batch_rule_greedy_window():
+    """greedy_verify_batches: a batch with greedy requests (greedy or mixed) takes the short length where its
+    size is within [lo, hi], the long one outside; all-sampled batches follow min_batch as before."""
+    rule = SampledBatchRule(3, 7, min_batch=16, min_steps=0, interval=1, greedy_batches=(16, 32))
+    got = {(g, s): rule.choose(7, g, s) for g, s in ((8, 0), (15, 0), (16, 0), (32, 0), (33, 0), (64, 0),
+                                                     (1, 15), (10, 22), (1, 32), (1, 40), (0, 16), (0, 128), (0, 8))}
+    assert got == {(8, 0): 7, (15, 0): 7, (16, 0): 3, (32, 0): 3, (33, 0): 7, (64, 0): 7,
+                   (1, 15): 3, (10, 22): 3, (1, 32): 7, (1, 40): 7, (0, 16): 3, (0, 128): 3, (0, 8): 7}
+    assert rule.fresh().greedy_batches == (16, 32)
 
 
 def test_config_sampled_verify_length_errors():
@@ -231,6 +243,12 @@ def test_config_sampled_verify_length_errors():
     with pytest.raises(SpeculativeConfigError, match="give one of them"):
         SpeculativeConfig(verify_lengths=[3, 5], sampled_verify_length=3)
     assert SpeculativeConfig.parse('{"sampled_verify_length": 3, "sampled_verify_min_batch": 16}').sampled_verify_min_batch == 16
+    assert SpeculativeConfig.parse(
+        '{"sampled_verify_length": 3, "greedy_verify_batches": [16, 32]}').greedy_verify_batches == (16, 32)
+    assert SpeculativeConfig(sampled_verify_length=3).greedy_verify_batches is None
+    for bad in ([16], [32, 16], [0, 8], [1.5, 8], 16, [True, 8], "16,32"):
+        with pytest.raises(SpeculativeConfigError, match="greedy_verify_batches must be \\[lo, hi\\]"):
+            SpeculativeConfig(sampled_verify_length=3, greedy_verify_batches=bad)
 
 
 # ------------------------------------------------------------------ confidence-scheduled verification

@@ -18,6 +18,7 @@ import pytest
 from dspark import LLM, SamplingParams
 from dspark.drafters import default_speculative_config, shipped_drafter
 from dspark.models.dspark_drafter import DrafterConfig
+from dspark.spec.config import SpeculativeConfigError
 
 pytestmark = pytest.mark.slow
 
@@ -44,6 +45,7 @@ def test_shipped_drafter_files_fit_the_limits():
     assert spec["model"] == str(d) and spec["draft_sample_method"] == "probabilistic"
     assert spec["rejection_sample_method"] == "block"
     assert (spec["sampled_verify_length"], spec["sampled_verify_min_batch"]) == (3, 16)
+    assert spec["greedy_verify_batches"] == [12, 32]
 
 
 @pytest.fixture(scope="module")
@@ -92,10 +94,17 @@ def test_shipped_drafter_brings_its_settings_unless_named(spec_llm) -> None:
     assert by_path.sampled_verify_length is None
     # the sampled-batch rule comes along, and gives way to adaptive verification or to a
     # num_speculative_tokens at or under its length (either would make the config an error)
-    assert (sc.sampled_verify_length, sc.sampled_verify_min_batch) == (3, 16)
-    assert spec_of({"method": "dspark", "verify_lengths": [2, 5]}).sampled_verify_length is None
-    assert spec_of({"method": "dspark", "num_speculative_tokens": 3}).sampled_verify_length is None
+    assert (sc.sampled_verify_length, sc.sampled_verify_min_batch, sc.greedy_verify_batches) == (3, 16, (12, 32))
+    # where the rule gives way, its greedy window goes with it (alone it would make the config an error)
+    for off in ({"method": "dspark", "verify_lengths": [2, 5]}, {"method": "dspark", "num_speculative_tokens": 3},
+                {"method": "dspark", "sampled_verify_length": None}):
+        got = spec_of(off)
+        assert (got.sampled_verify_length, got.greedy_verify_batches) == (None, None), off
     assert spec_of({"method": "dspark", "num_speculative_tokens": 5}).sampled_verify_length == 3
-    assert spec_of({"method": "dspark", "sampled_verify_length": None}).sampled_verify_length is None
+    assert spec_of({"method": "dspark", "greedy_verify_batches": None}).greedy_verify_batches is None
+    assert spec_of({"method": "dspark", "greedy_verify_batches": [8, 64]}).greedy_verify_batches == (8, 64)
+    # without the rule's length (here given way to num_speculative_tokens 3) the window has nothing to verify
+    with pytest.raises(SpeculativeConfigError, match="greedy_verify_batches needs sampled_verify_length"):
+        spec_of({"method": "dspark", "num_speculative_tokens": 3, "greedy_verify_batches": [8, 64]})
     # on the CPU (no graph sets) every step verifies num_speculative_tokens: no rule, no second set
     assert spec_llm.engine.verify_policy is None and not spec_llm.engine.runner.graph_sets
