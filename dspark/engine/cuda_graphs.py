@@ -19,6 +19,11 @@ What is captured (only with the triton attention backend on CUDA, unless ``enfor
 - **Verification graphs** (q > 1), one per (B, kind): after the target graph, the argmax and greedy
   verification of every row and, for sampled rows, their processed distributions and the fused
   rejection kernel (``_verify_step``; the runner picks the kind, ``verify_kind``).
+- **Whole-step graphs** (q > 1, batch sizes up to WHOLE_STEP_MAX_BATCH), one per (B, bucket, greedy |
+  sampled): a one-sync step without prefill rows as one graph — the target, verification and drafter steps
+  above with the drafter's inputs between them and the read-back's concatenation after (``_whole_step``).
+  The three graphs above still serve the steps it does not (prefill rows, the filtered kind, larger
+  batches, a step timed piece by piece: ModelRunner.launch_one_sync).
 - **Sampling graphs** (q = 1), one per (B, with top-p / min-p or not): the draw of a launched decode
   step (``_sample_step``, the Sampler's own ops).
 - A step qualifies when every scheduled request samples and has no prefill rows (each runs
@@ -99,6 +104,16 @@ VERIFY_FROM_LOGITS = os.environ.get("DSPARK_VERIFY_FROM_LOGITS", "1") != "0"
 # drafts, CUDA-graph µs of softmax + verification): 128 rows block 64.8 -> 59.8, standard 55.5 -> 45.9; 32 rows block
 # 31.4 -> 33.5 (the stats launch costs more than the write it saves), standard 26.9 -> 25.5.
 VERIFY_FROM_LOGITS_MIN_ROWS = 128
+# Whole-step graphs (StepGraphs._whole_step): a one-sync DSpark step without prefill rows as ONE graph — target,
+# verification, the drafter's inputs, drafter, and the read-back's concatenation — at batch sizes up to this
+# many requests, greedy and sampled (not the filtered kind: it falls back to the three graphs). Why (H100, session
+# 62, benchmarks/fused_step_probe.py, GPU µs per step with PDL): the step as the engine queued it in three graphs
+# with a kernel and three timing events between them, then a concatenation, took 902 / 1010 / 1412 / 1889 µs at
+# batch 1 / 8 / 16 / 32 (greedy); as one graph with two events 875 / 996 / 1398 / 1895 and 864 / 984 / 1386 / 1865
+# without the read-back: every graph boundary is a launch whose first kernel cannot start early (PDL works inside
+# a graph), and each small operation between graphs costs device time of its own. Above 16 the gain was within
+# noise and every size costs graphs to capture (buckets x 2 per size and graph set). DSPARK_WHOLE_STEP=0: off.
+WHOLE_STEP_MAX_BATCH = 16 if os.environ.get("DSPARK_WHOLE_STEP", "1") != "0" else 0
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -251,15 +266,25 @@ class StepGraphs:
             # the uploaded ones are verification's) and VERIFY_SAMPLED's B x q rows (_verify_step)
             self._neutral_rows = (torch.full((Tm,), V, **i64), torch.ones(Tm, **f32), torch.zeros(Tm, **f32))
         self.s_out = torch.zeros(Bm, **i64)  # a sampling graph's tokens (a fixed buffer: see v_out)
+        # Whole-step graphs (WHOLE_STEP_MAX_BATCH) up to this batch size, and the buffer they concatenate the
+        # step's read-back into ([tokens Bg x q | emitted Bg | drafts Bg x N] of the padded batch): read by the copy
+        # to the host queued right after the replay, rewritten by the next whole step's replay, in stream order.
+        self.whole_max_batch = WHOLE_STEP_MAX_BATCH if self.draft_graphs and q > 1 else 0
+        self.flat = torch.zeros(Bm * (q + 1 + self.n_spec), **i64) if self.whole_max_batch else None
+        # drafts probabilistic in a step of each verification kind (whole-step graphs fix it at capture): sampled
+        # requests draft probabilistically exactly when the config says so, greedy ones never
+        self._whole_prob = {VERIFY_GREEDY: False,
+                            VERIFY_SAMPLED: runner.spec is not None and runner.spec.draft_sample_method == "probabilistic"}
         self.target: dict[tuple[int, int], _Captured] = {}
         self.draft: dict[tuple[int, int, bool], _Captured] = {}
         self.verify: dict[tuple[int, int], _Captured] = {}
         self.sample: dict[tuple[int, bool], _Captured] = {}
+        self.whole: dict[tuple[int, int, int], _Captured] = {}
         self.pool = None
         # steps replayed; one-sync steps; steps launched on top of another (async), of which with
         # prompts admitted as prefill rows (async_admit); steps with prefill rows (prefill_rows)
-        self.stats = {"target": 0, "draft": 0, "verify": 0, "sample": 0, "one_sync": 0, "async": 0, "async_admit": 0,
-                      "prefill_rows": 0}
+        self.stats = {"target": 0, "draft": 0, "verify": 0, "sample": 0, "whole": 0, "one_sync": 0, "async": 0,
+                      "async_admit": 0, "prefill_rows": 0}
 
     def _use_set(self, k: int) -> None:
         self._set = k
@@ -384,6 +409,35 @@ class StepGraphs:
         verify_greedy_rows(outs[2], drafts, nd, sampled=(s.temperature, o, n), out=outs[0], n_out=outs[1])
         return outs
 
+    def _whole_step(self, B: int, bucket: int, kind: int) -> tuple:
+        """A one-sync step without prefill rows in one piece: _target_step, _verify_step, the drafter's inputs
+        from its outcome (drafter_inputs_on_device), _draft_step (probabilistic drafts as ``_whole_prob`` says
+        for the kind) and the read-back's concatenation into ``flat``. The same kernels on the same buffers as
+        the three graphs, in the same order: the same tokens. Returns (tokens [B, q], emitted [B], argmax [B, q],
+        drafts [B, N], their q or None, the read-back [B (q + 1 + N)])."""
+        self._target_step(B, bucket)
+        out, n_out, am = self._verify_step(B, kind)
+        self.drafter_inputs_on_device(B, out, n_out)
+        tokens, probs, _ = self._draft_step(B, bucket, self._whole_prob[kind])
+        flat = self.flat[:B * (self.q + 1 + self.n_spec)]
+        torch.cat([out.reshape(-1), n_out, tokens.reshape(-1)], out=flat)
+        return out, n_out, am, tokens, probs, flat
+
+    def has_whole(self, Bg: int, bucket: int, kind: int, any_prob: bool) -> bool:
+        """Whether replay_whole can run this step: a whole-step graph of (Bg, bucket, kind) (captured, or within
+        the sizes and kinds that would be when running eagerly) whose drafting matches ``any_prob``."""
+        if not self.whole_max_batch or self._whole_prob.get(kind) is None or self._whole_prob[kind] != any_prob:
+            return False
+        return (Bg, bucket, kind) in self.whole if self.capture else Bg <= self.whole_max_batch
+
+    def replay_whole(self, Bg: int, bucket: int, kind: int) -> tuple:
+        """The whole one-sync step (_whole_step; has_whole must hold): its outputs, the verification's in the
+        buffers the three-graph path uses too (replay_verify). Counted as a target, verification and drafter step
+        too (``stats``)."""
+        for k in ("whole", "target", "verify", "draft"):
+            self.stats[k] += 1
+        return self._run(self.whole, (Bg, bucket, kind), self._whole_step)
+
     def _sample_step(self, B: int, filtered: bool) -> tuple:
         """Without speculation (q = 1): the tokens of a launched decode step (ModelRunner.launch: rows
         greedy or sampled, no top-k), drawn exactly as the Sampler draws them (Gumbel-max keyed by (seed,
@@ -424,6 +478,8 @@ class StepGraphs:
                      for prob in (False, True)]
         if self.q > 1:
             keys += [("verify", (B, kind)) for B in reversed(self.batch_sizes) for kind in self._verify_kinds(B)]
+            keys += [("whole", (B, k, kind)) for B in reversed(self.batch_sizes) if B <= self.whole_max_batch
+                     for k in reversed(self.buckets) for kind in self._whole_prob]
         else:
             keys += [("sample", (B, filtered)) for B in reversed(self.batch_sizes) for filtered in (False, True)]
         self.pool = torch.cuda.graph_pool_handle()
@@ -432,7 +488,7 @@ class StepGraphs:
             for kind, key in tqdm(keys, desc="capturing CUDA graphs", unit="graph", leave=False):
                 table, fn = {"target": (self.target, self._target_step), "draft": (self.draft, self._draft_step),
                              "verify": (self.verify, self._verify_step),
-                             "sample": (self.sample, self._sample_step)}[kind]
+                             "sample": (self.sample, self._sample_step), "whole": (self.whole, self._whole_step)}[kind]
                 fn(*key)  # warm up: Triton compiles, cuBLAS picks its kernels, outside the capture
                 torch.cuda.synchronize(dev)
                 g = torch.cuda.CUDAGraph()
@@ -443,7 +499,8 @@ class StepGraphs:
         used = (free0 - torch.cuda.mem_get_info(dev)[0]) / 2**20
         rest = ("; drafter steps (greedy and probabilistic) at the same sizes" if self.draft_graphs else "") + (
             "; verification (greedy, sampled, filtered up to %d rows) per batch size" % FILTER_GRAPH_ROWS
-            if self.q > 1 else "; sampling (temperature; with top-p / min-p) per batch size")
+            if self.q > 1 else "; sampling (temperature; with top-p / min-p) per batch size") + (
+            "; whole steps (greedy and sampled) up to batch %d" % self.whole_max_batch if self.whole_max_batch else "")
         logger.info("captured %d CUDA graphs in %.1f s, %.0f MiB: target (q=%d) at batch sizes %s x context "
                     "buckets %s%s", len(keys), time.perf_counter() - t0, used, self.q, self.batch_sizes,
                     self.buckets, rest)

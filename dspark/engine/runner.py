@@ -44,6 +44,10 @@ logger = logging.getLogger(__name__)
 # (launch_one_sync, session 56); DSPARK_DRAFT_Q_CLONE=1 clones it after the drafter graph, so that every
 # verification reads a staged copy (two 18.9 MB copies per batch-32 step at 3 drafts, as before: the A/B switch).
 DRAFT_Q_CLONE = os.environ.get("DSPARK_DRAFT_Q_CLONE", "0") == "1"
+# Of the one-sync steps a whole-step graph could run (cuda_graphs.py, WHOLE_STEP_MAX_BATCH), the first of each
+# (batch size, verification kind) and then one in this many run the three graphs with a timing event between
+# target and drafter: the share of the drafter in the step's GPU time, by which the whole steps' times are split.
+WHOLE_SPLIT_EVERY = 16
 
 
 @dataclass
@@ -79,6 +83,8 @@ class InflightStep:
     rows: list[int] | None = None
     num_rows: int | None = None
     followed: bool = False  # a step was launched on top of this one (it verifies every draft made here)
+    # (padded batch, verification kind) of a step a whole-step graph could run (launch_one_sync): its timing split
+    split: tuple[int, int] | None = None
 
 
 def make_attention_backend(name: str, device: torch.device, batch_invariant: bool = False,
@@ -218,6 +224,9 @@ class ModelRunner:
         self.split_mixed_steps = True
         self.graphs = None  # StepGraphs: decode/verify and drafter steps as CUDA graphs
         self.graph_sets: dict[int, object] = {}  # drafts verified -> its StepGraphs (adaptive verification)
+        # whole-step graphs (launch_one_sync): steps seen per (batch size, kind) and the drafter's measured share
+        self._whole_steps: dict[tuple[int, int], int] = {}
+        self._draft_share: dict[tuple[int, int], float] = {}
         self.step_times: dict[int, dict[tuple[int, bool], float]] | None = None  # StepGraphs.profile per length
         self.conf_sched: ConfidenceScheduler | None = None  # per-request verify lengths of eager steps
         self._profiled_rows: set[int] = set()  # row counts _profile_rows has run (and so warmed) once
@@ -612,6 +621,16 @@ class ModelRunner:
                 dq = self._draft_q([reqs[b] for b in sampled], d, q - 1, V)
             G.stage_q(dq)
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)] if self.device.type == "cuda" else None
+        # The whole step as one graph where one is captured (StepGraphs._whole_step; cuda_graphs.py says why). Its
+        # GPU time is timed as a whole; the first step of each (batch size, kind) and every WHOLE_SPLIT_EVERY-th
+        # run the three graphs instead, timed piece by piece, and the whole steps' times are split by the last of
+        # those (finish_one_sync: verify_time_s / draft_time_s).
+        split = None
+        if q > 1 and not prefill and G.has_whole(Bg, bucket, kind, any(prob)):
+            split = (Bg, kind)
+            n = self._whole_steps[split] = self._whole_steps.get(split, -1) + 1
+            if n % WHOLE_SPLIT_EVERY or not ev:
+                return self._launch_whole(G, scheduled, host, ev, t0, Bg, bucket, kind, R, prev, sampled, prob, split)
         if ev:
             ev[0].record()
         logits = G.replay_target(Bg, bucket)[:R]  # [R, q, V]
@@ -659,7 +678,32 @@ class ModelRunner:
             G.stats["async"] += 1
             G.stats["async_admit"] += bool(prefill)
         return InflightStep(list(scheduled), out, hb, done, ev, t0, n_out=n_out, drafts=drafts,
-                            draft_q=draft_q, prob=prob, rows=row_of if prefill else None, num_rows=R)
+                            draft_q=draft_q, prob=prob, rows=row_of if prefill else None, num_rows=R, split=split)
+
+    def _launch_whole(self, G, scheduled, host, ev, t0, Bg: int, bucket: int, kind: int, R: int,
+                      prev: InflightStep | None, sampled: list[int], prob: list[bool], split) -> InflightStep:
+        """launch_one_sync's tail for a step a whole-step graph runs (no prefill rows: request b is row b): the
+        replay, then the copy of its read-back; the same outcome, drafts and q as the three graphs'."""
+        if prev is None and self.draft_probs:  # before the graph, whose drafter rewrites G.probs (_keep_draft_q)
+            reqs = [s.request for s in scheduled]
+            self._keep_draft_q(G.probs, {reqs[b].request_id for b in sampled if scheduled[b].num_spec_tokens})
+        if ev:
+            ev[0].record()
+        out, n_out, am, tokens, probs, flat = G.replay_whole(Bg, bucket, kind)
+        if ev:
+            ev[2].record()
+            ev = [ev[0], ev[2]]  # the whole step's GPU time, split in finish_one_sync
+        draft_q = None
+        if any(prob):
+            draft_q = probs[:R] if _in_buffer(probs, G.probs) and not DRAFT_Q_CLONE else probs[:R].clone()
+        hb = host[:flat.numel()]
+        done = self._copy_back(hb, flat)
+        G.stats["one_sync"] += 1
+        if prev is not None:
+            G.stats["async"] += 1
+        # the read-back is laid out for the padded batch: num_rows = Bg
+        return InflightStep(list(scheduled), out[:R], hb, done, ev, t0, n_out=n_out[:R], drafts=tokens[:R],
+                            draft_q=draft_q, prob=prob, num_rows=Bg, split=split)
 
     def _prefill_outcome(self, scheduled, prefill: list[int], counts: list[int], row_of: list[int], am: torch.Tensor,
                          logits: torch.Tensor, out: torch.Tensor, n_out: torch.Tensor, sampled_pre: list[int],
@@ -734,13 +778,24 @@ class ModelRunner:
                     result.drafts[r.request_id] = drafts[b * N:b * N + n]
                     if step.prob[i] and not step.followed:  # else the step on top verified them
                         self.draft_probs[r.request_id] = (step.draft_q, b)
-        ev = step.timing
-        if ev:
-            result.verify_time_s = ev[0].elapsed_time(ev[1]) / 1e3
-            result.draft_time_s = ev[1].elapsed_time(ev[2]) / 1e3
+        if step.timing:
+            result.verify_time_s, result.draft_time_s = self._step_times(step.timing, step.split)
         else:
             result.verify_time_s = time.perf_counter() - step.t0
         return result
+
+    def _step_times(self, ev: list, split: tuple[int, int] | None) -> tuple[float, float]:
+        """(target + verification, drafter) GPU seconds of a one-sync step from its CUDA events: three around
+        the target and drafter parts, or two around a whole-step graph, whose time is split by the drafter's
+        share in the last step of its (batch size, kind) timed in three (launch_one_sync), which sets it."""
+        if len(ev) == 2:
+            total = ev[0].elapsed_time(ev[1]) / 1e3
+            draft = total * self._draft_share.get(split, 0.0)
+            return total - draft, draft
+        verify, draft = ev[0].elapsed_time(ev[1]) / 1e3, ev[1].elapsed_time(ev[2]) / 1e3
+        if split is not None:
+            self._draft_share[split] = draft / max(verify + draft, 1e-12)
+        return verify, draft
 
     def drop(self, step: InflightStep) -> None:
         """Forget a launched step (one-sync or plain) whose requests have all ended, without waiting for it:

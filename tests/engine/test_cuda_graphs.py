@@ -73,7 +73,9 @@ def test_graph_steps_match_eager_greedy(target, drafter, prompts, mode):
     assert g.stats["target"] > 0 and (g.stats["draft"] > 0) == spec  # the graph path really ran
     # greedy: verification and drafting inputs on the device; every plain step launched asynchronously
     assert g.stats["async" if mode == "plain" else "one_sync"] == g.stats["target"]
-    assert {B for B, _ in g.target} == {2, 4} and {k for _, k in g.target} >= {32, 64}
+    keys = set(g.target) | {(B, k) for B, k, _ in g.whole}  # DSpark: target graphs, or whole steps
+    assert {B for B, _ in keys} == {2, 4} and {k for _, k in keys} >= {32, 64}
+    assert (g.stats["whole"] > 0) == spec  # DSpark steps without prefill rows: one whole-step graph each
 
 
 def test_graph_steps_match_eager_sampled(target, drafter, prompts):
@@ -270,3 +272,49 @@ def test_verification_from_logits_falls_back(target, drafter, monkeypatch, caplo
     assert not runner.verify_from_logits and "block" in runner._fused_verify
     want = verify_probabilistic(probs_from_stats(logits, stats).view(B, N + 1, V), *rest, method="block")
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_whole_step_graphs_match_the_three_graphs(target, drafter, prompts, monkeypatch):
+    """A one-sync DSpark step without prefill rows runs as one whole-step graph (StepGraphs._whole_step) up to
+    WHOLE_STEP_MAX_BATCH requests: greedy and seeded temperature-1 requests in the same steps (the sampled kind,
+    probabilistic drafts) give the tokens and acceptance the three separate graphs give, with async scheduling."""
+    from dspark.engine import cuda_graphs
+
+    kw = {"speculative_config": {"model": str(drafter), "draft_sample_method": "probabilistic"}}
+    params = [SamplingParams(temperature=0, max_tokens=11, ignore_eos=True),
+              SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=5),
+              SamplingParams(temperature=1.0, max_tokens=9, ignore_eos=True, seed=6)]
+    got, llm = _run(target, prompts, params, True, **kw)
+    monkeypatch.setattr(cuda_graphs, "WHOLE_STEP_MAX_BATCH", 0)  # off: the three graphs only
+    want, ref = _run(target, prompts, params, True, **kw)
+    assert got == want
+    g, ref_g = llm.engine.runner.graphs, ref.engine.runner.graphs
+    assert ref_g.stats["whole"] == 0 and not ref_g.whole
+    # both kinds: steps with the sampled requests, and greedy-only steps (the sampled ones not yet verifying)
+    assert g.stats["whole"] > 0 and {kind for _, _, kind in g.whole} == {cuda_graphs.VERIFY_GREEDY,
+                                                                         cuda_graphs.VERIFY_SAMPLED}
+    assert g.stats["one_sync"] == ref_g.stats["one_sync"]
+    st, ref_st = llm.engine.spec_stats, ref.engine.spec_stats
+    assert (st.num_drafts, st.num_accepted) == (ref_st.num_drafts, ref_st.num_accepted) and st.num_accepted > 0
+
+
+def test_whole_step_times_split_by_the_last_three_graph_step(target, drafter):
+    """A whole-step graph's GPU time (two events) is split into verification and drafting by the drafter's share
+    in the last step of its (batch size, kind) timed with three events; before any such step, all verification."""
+
+    class Ev:  # a CUDA event's elapsed_time (ms) from a timestamp in seconds
+        def __init__(self, t):
+            self.t = t
+
+        def elapsed_time(self, other):
+            return (other.t - self.t) * 1e3
+
+    llm = LLM(str(target), device="cpu", block_size=4, num_kv_blocks=64, max_num_seqs=3,
+              speculative_config={"model": str(drafter)})
+    r = llm.engine.runner
+    assert r._step_times([Ev(0.0), Ev(2.0)], (2, 0)) == (2.0, 0.0)
+    assert r._step_times([Ev(0.0), Ev(3.0), Ev(4.0)], (2, 0)) == (3.0, 1.0)  # sets the share: 1/4
+    assert r._step_times([Ev(1.0), Ev(3.0)], (2, 0)) == (1.5, 0.5)
+    assert r._step_times([Ev(1.0), Ev(3.0)], (4, 0)) == (2.0, 0.0)  # another batch size: not measured yet
+    assert r._step_times([Ev(0.0), Ev(1.0), Ev(3.0)], None) == (1.0, 2.0)  # a step no whole graph could run
+    assert r._draft_share == {(2, 0): 0.25}

@@ -77,7 +77,8 @@ def test_one_sync_sampled_steps_match_the_host_path(spec_pair, prompts, case, sp
     if case == "sampled":
         assert ref_one_sync == 0
     # the verification graph that took the sampled rows, or none (the same step run eagerly)
-    kinds = {kind for _, kind in llm.engine.runner.graphs.verify}
+    g = llm.engine.runner.graphs
+    kinds = {kind for _, kind in g.verify} | {kind for _, _, kind in g.whole}  # its own graph, or in a whole step
     want_kind = {"sampled": cuda_graphs.VERIFY_SAMPLED, "mixed_t": cuda_graphs.VERIFY_SAMPLED,
                  "mixed": cuda_graphs.VERIFY_FILTERED if filter_rows else None}[case]
     assert kinds - {cuda_graphs.VERIFY_GREEDY} == ({want_kind} if want_kind is not None else set())
