@@ -75,7 +75,6 @@ def test_graph_steps_match_eager_greedy(target, drafter, prompts, mode):
     assert g.stats["async" if mode == "plain" else "one_sync"] == g.stats["target"]
     keys = set(g.target) | {(B, k) for B, k, _ in g.whole}  # DSpark: target graphs, or whole steps
     assert {B for B, _ in keys} == {2, 4} and {k for _, k in keys} >= {32, 64}
-    assert (g.stats["whole"] > 0) == spec  # DSpark steps without prefill rows: one whole-step graph each
 
 
 def test_graph_steps_match_eager_sampled(target, drafter, prompts):
@@ -276,16 +275,18 @@ def test_verification_from_logits_falls_back(target, drafter, monkeypatch, caplo
 
 def test_whole_step_graphs_match_the_three_graphs(target, drafter, prompts, monkeypatch):
     """A one-sync DSpark step without prefill rows runs as one whole-step graph (StepGraphs._whole_step) up to
-    WHOLE_STEP_MAX_BATCH requests: greedy and seeded temperature-1 requests in the same steps (the sampled kind,
-    probabilistic drafts) give the tokens and acceptance the three separate graphs give, with async scheduling."""
+    WHOLE_STEP_MAX_BATCH requests (DSPARK_WHOLE_STEP=1): greedy and seeded temperature-1 requests in the same steps
+    (the sampled kind, probabilistic drafts) give the tokens and acceptance the three separate graphs give, with
+    async scheduling (steps launched on top of whole steps)."""
     from dspark.engine import cuda_graphs
 
     kw = {"speculative_config": {"model": str(drafter), "draft_sample_method": "probabilistic"}}
     params = [SamplingParams(temperature=0, max_tokens=11, ignore_eos=True),
               SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=5),
               SamplingParams(temperature=1.0, max_tokens=9, ignore_eos=True, seed=6)]
+    monkeypatch.setattr(cuda_graphs, "WHOLE_STEP_MAX_BATCH", 16)  # on
     got, llm = _run(target, prompts, params, True, **kw)
-    monkeypatch.setattr(cuda_graphs, "WHOLE_STEP_MAX_BATCH", 0)  # off: the three graphs only
+    monkeypatch.setattr(cuda_graphs, "WHOLE_STEP_MAX_BATCH", 0)  # off (the default): the three graphs only
     want, ref = _run(target, prompts, params, True, **kw)
     assert got == want
     g, ref_g = llm.engine.runner.graphs, ref.engine.runner.graphs
@@ -293,7 +294,7 @@ def test_whole_step_graphs_match_the_three_graphs(target, drafter, prompts, monk
     # both kinds: steps with the sampled requests, and greedy-only steps (the sampled ones not yet verifying)
     assert g.stats["whole"] > 0 and {kind for _, _, kind in g.whole} == {cuda_graphs.VERIFY_GREEDY,
                                                                          cuda_graphs.VERIFY_SAMPLED}
-    assert g.stats["one_sync"] == ref_g.stats["one_sync"]
+    assert g.stats["one_sync"] == ref_g.stats["one_sync"] and g.stats["async"] == ref_g.stats["async"] > 0
     st, ref_st = llm.engine.spec_stats, ref.engine.spec_stats
     assert (st.num_drafts, st.num_accepted) == (ref_st.num_drafts, ref_st.num_accepted) and st.num_accepted > 0
 
