@@ -275,8 +275,9 @@ class StepGraphs:
         self.flat = torch.zeros(Bm * (q + 1 + self.n_spec), **i64) if self.whole_max_batch else None
         # drafts probabilistic in a step of each verification kind (whole-step graphs fix it at capture): sampled
         # requests draft probabilistically exactly when the config says so, greedy ones never
+        spec = runner.spec
         self._whole_prob = {VERIFY_GREEDY: False,
-                            VERIFY_SAMPLED: runner.spec is not None and runner.spec.draft_sample_method == "probabilistic"}
+                            VERIFY_SAMPLED: spec is not None and spec.draft_sample_method == "probabilistic"}
         self.target: dict[tuple[int, int], _Captured] = {}
         self.draft: dict[tuple[int, int, bool], _Captured] = {}
         self.verify: dict[tuple[int, int], _Captured] = {}
