@@ -138,7 +138,7 @@ def test_qkv_rope_cache_equals_linear_then_rope_qk_cache(dtype, qk_norm: bool, s
     q = fr.qkv_rope_cache(z, w, ss, EPS, *args, caches[0], caches[1], slots, Hq, Hkv, qn, kn, 1e-6, split=split,
                           block_k=32, block_m=block_m)
     want = fr.qkv_rope_cache_reference(z, w, ss, EPS, *args, caches[2], caches[3], slots, Hq, Hkv, qn, kn, 1e-6,
-                                       split=split, block_k=32)
+                                       split=split, block_k=32, block_m=block_m)
     assert q.shape == (M, Hq, D)
     if dtype == torch.float32 and qk_norm:
         assert torch.allclose(q, want, rtol=1e-5, atol=1e-6) and torch.allclose(caches[0], caches[2], atol=1e-5)
