@@ -131,8 +131,17 @@ def _patch_lang_once_per_launch() -> None:
     # the language modules patched in it
     state = threading.local()
 
-    def modules(fn) -> set[int]:
-        return {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and any(v is m for m in langs)}
+    # (id, size) of a function's globals -> the language modules they name: scanned once per module and size (the
+    # interpreter's rewrite of a function adds names), not per call (3 % of an engine test's time, session 63)
+    found: dict[tuple[int, int], frozenset[int]] = {}
+
+    def modules(fn) -> frozenset[int]:
+        key = (id(fn.__globals__), len(fn.__globals__))
+        mods = found.get(key)
+        if mods is None:
+            mods = found[key] = frozenset(id(v) for v in fn.__globals__.values()
+                                          if inspect.ismodule(v) and any(v is m for m in langs))
+        return mods
 
     def patch_lang(fn):
         mods = modules(fn)
@@ -157,6 +166,47 @@ def _patch_lang_once_per_launch() -> None:
     interpreter._patch_lang = patch_lang
 
 
+def _lazy_tuple_type_names() -> None:
+    """Speed of Triton's interpreter (<= 3.6): every tl.tuple it builds (a block's shape, once or more per
+    tl op and program) makes a ``tuple_type`` whose __init__ formats its ``name`` string right away, from
+    the reprs of the types it holds; the interpreter never reads it. 10 % of an engine test's time went
+    there (session 63 profile). The name is formatted when first read instead; everything else is
+    upstream's __init__."""
+    from triton.language import core
+
+    import inspect
+    import re
+
+    cls = core.tuple_type
+    if getattr(cls, "dspark_lazy_name", False) or "name" in vars(cls):
+        return
+    try:  # only the __init__ this replaces (Triton 3.6's); another version's is left as it is
+        src = inspect.getsource(cls.__init__)
+    except (OSError, TypeError):
+        return
+    if (list(inspect.signature(cls.__init__).parameters) != ["self", "types", "fields"]
+            or re.findall(r"self\.(\w+) =", src) != ["types", "fields", "name"]):
+        return
+
+    def __init__(self, types, fields=None):
+        self.types = types
+        self.fields = fields or [""] * len(types)
+
+    def _get(self):
+        name = self.__dict__.get("_name")
+        if name is None:
+            name = self._name = "[" + ",".join([f"{k}:{v}" for k, v in zip(self.fields, self.types)]) + "]"
+        return name
+
+    def _set(self, value):
+        self._name = value
+
+    cls.__init__ = __init__
+    cls.name = property(_get, _set)
+    cls.dspark_lazy_name = True
+
+
 if triton.knobs.runtime.interpret:
     _fix_interpreter_scalars()
     _patch_lang_once_per_launch()
+    _lazy_tuple_type_names()

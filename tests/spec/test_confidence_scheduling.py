@@ -106,7 +106,13 @@ def test_where_confidence_scheduling_is_off(target, drafter, tmp_path, caplog):
     off.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     st = off.engine.spec_stats
     assert st.num_steps > 0 and {n for n, _ in st.by_outcome} == {5}
-    graphs = spec_llm(target, drafter, attention_backend="triton")
+    # Triton's kernels in the CPU interpreter: off unless asked for (a step's time there is numpy's), and the
+    # CPU products keep their default instead of a timed choice
+    interp = spec_llm(target, drafter, attention_backend="triton").engine.runner
+    assert interp.conf_sched is None and interp.cpu_split_k_rows == 1
+    graphs = LLM(str(target), device="cpu", block_size=4, num_kv_blocks=512, attention_backend="triton",
+                 speculative_config={"model": str(drafter), "confidence_scheduling": True})
+    assert graphs.engine.runner.conf_sched is not None
     graphs.engine.runner.enable_graphs(capture=False)  # graph steps verify q rows per request: off
     assert graphs.engine.runner.conf_sched is None
     # eager GPU steps (launch-bound; sessions 43-44): off unless asked for. The device is only relabelled here
