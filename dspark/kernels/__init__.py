@@ -172,10 +172,10 @@ def _lazy_tuple_type_names() -> None:
     the reprs of the types it holds; the interpreter never reads it. 10 % of an engine test's time went
     there (session 63 profile). The name is formatted when first read instead; everything else is
     upstream's __init__."""
-    from triton.language import core
-
     import inspect
     import re
+
+    from triton.language import core
 
     cls = core.tuple_type
     if getattr(cls, "dspark_lazy_name", False) or "name" in vars(cls):
