@@ -230,6 +230,9 @@ class ModelRunner:
         self.step_times: dict[int, dict[tuple[int, bool], float]] | None = None  # StepGraphs.profile per length
         self.conf_sched: ConfidenceScheduler | None = None  # per-request verify lengths of eager steps
         self._profiled_rows: set[int] = set()  # row counts _profile_rows has run (and so warmed) once
+        # Triton's kernels on CPU tensors run in its interpreter (a test mode): a step's time there is numpy's
+        # per-program work, so nothing is chosen by timing it (_choose_split_k_rows, confidence scheduling)
+        self.interpreted = self.device.type != "cuda" and config.resolved_attention_backend == "triton"
         if self.device.type == "cuda" and config.resolved_attention_backend == "triton" and not config.enforce_eager:
             self.enable_graphs(capture=True)
         if self._split_k_modules and not config.batch_invariant:  # (batch-invariant mode: its own matmul)
@@ -248,9 +251,7 @@ class ModelRunner:
             if not pinned.isdigit() or int(pinned) < 1:
                 raise ValueError(f"DSPARK_CPU_SPLIT_K_ROWS must be a row count >= 1, got {pinned!r}")
             rows, why = int(pinned), "DSPARK_CPU_SPLIT_K_ROWS"
-        elif self.config.resolved_attention_backend == "triton":
-            # Triton's interpreter (a CPU test mode) runs the step's other kernels: its time measures numpy's
-            # per-program work, not the two products, so the default stays (and engines in one test agree)
+        elif self.interpreted:  # the default stays (and engines in one test agree)
             rows, why = 1, "the default: Triton's interpreter runs the rest of the step"
         else:
             best = {1: float("inf"), 2: float("inf")}
@@ -284,10 +285,9 @@ class ModelRunner:
             # compile stalls left out; +8 % once; docs/benchmarks.md, sessions 43-44). "confidence_scheduling":
             # true still turns it on.
             return
-        if want is None and self.device.type != "cuda" and self.config.resolved_attention_backend == "triton":
-            # Triton's interpreter (a CPU test mode): a step's time there is numpy's per-program work, not the
-            # model's rows, so the measured t(R) would schedule nothing real; and profiling it at start-up
-            # took a third of an engine test's time. "confidence_scheduling": true still turns it on.
+        if want is None and self.interpreted:
+            # the measured t(R) would schedule nothing real, and profiling it at start-up took a third of an
+            # engine test's time (session 63). "confidence_scheduling": true still turns it on.
             return
         if self.graphs is not None:
             if want:
