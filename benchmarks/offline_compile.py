@@ -250,11 +250,13 @@ def record_engine_launches(path: str, dtype: str, shape: str = "tiny") -> None:
     from dspark import LLM, SamplingParams
     from dspark.config import ModelConfig
     from dspark.engine import cuda_graphs
+    from dspark.kernels import fused_ops
     from dspark.models.dspark_drafter import (DrafterConfig, drafter_config_dict, random_drafter_state_dict,
                                               write_drafter)
     from tests.conftest import write_tiny_checkpoint
 
     seen = record_launches()
+    fused_ops.INTERPRETER_ROWS = 1  # the GPU's launches (one row per program), not the interpreter's
     cuda_graphs.VERIFY_FROM_LOGITS_MIN_ROWS = 0  # the verification from logits too (a GPU's 128-row steps take it)
     root = Path(tempfile.mkdtemp())
     target_shape, drafter_shape = SHAPES[shape]

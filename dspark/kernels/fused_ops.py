@@ -12,8 +12,8 @@ tensor value on the host, so all of them can be captured in a CUDA graph):
   from RotaryEmbedding's tables (``cos``, ``sin_signed`` with its first half negated, indexed by
   absolute position and cast to the activations' dtype, as ``cos_sin`` does), and the paged-cache
   write of the rotated k and of v at ``slot_mapping`` (layout ``[num_blocks, block_size, Hkv, D]``,
-  see dspark/layers/attention.py). One program per token handles all its heads; q/k/v may be strided
-  views of the fused qkv projection. Rows with a negative slot are not written (padding).
+  see dspark/layers/attention.py). One program per token (rows_per_program: several under the interpreter)
+  handles all its heads; q/k/v may be strided views of the fused qkv projection. Rows with a negative slot are not written (padding).
 - ``silu_and_mul``: SwiGLU, ``silu(gate) * up`` on the fused ``[.., 2I]`` gate|up projection.
 - ``store_context_kv``: the DSpark drafter's context K/V store (DSparkProposer.write_context /
   DrafterLayer.context_kv): optional k_norm and RoPE on K, then K and V of *committed* rows only
@@ -71,36 +71,49 @@ def cast_rtne(x, dtype: tl.constexpr):
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, stride_x, r_ptr, stride_r, w_ptr, out_ptr, stride_o, res_ptr, stride_res,
-    H, eps, n_keep, group,
-    HAS_RES: tl.constexpr, BLOCK_H: tl.constexpr, SELECT: tl.constexpr,
+    T, H, eps, n_keep, group,
+    HAS_RES: tl.constexpr, BLOCK_H: tl.constexpr, SELECT: tl.constexpr, ROWS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_wait(PDL)
-    row = tl.program_id(0).to(tl.int64)
+    row = (tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64))[:, None]  # [ROWS, 1] of T
     src = row
     if SELECT:  # output row r is input row r // n_keep * group + r % n_keep (rms_norm_rows; no sum written)
         src = row // n_keep * group + row % n_keep
     h = tl.arange(0, BLOCK_H)
-    m = h < H
-    x = tl.load(x_ptr + src * stride_x + h, mask=m, other=0.0)
+    hm = h < H
+    m = (row < T) & hm[None, :]
+    x = tl.load(x_ptr + src * stride_x + h[None, :], mask=m, other=0.0)
     if HAS_RES:
-        r = tl.load(r_ptr + src * stride_r + h, mask=m, other=0.0)
+        r = tl.load(r_ptr + src * stride_r + h[None, :], mask=m, other=0.0)
         x = cast_rtne(x.to(tl.float32) + r.to(tl.float32), x_ptr.dtype.element_ty)  # eager: one add in the dtype
         if not SELECT:
-            tl.store(res_ptr + row * stride_res + h, x, mask=m)
-    out = _normed_row(x, w_ptr, h, m, H, eps)
-    tl.store(out_ptr + row * stride_o + h, cast_rtne(out, out_ptr.dtype.element_ty), mask=m)
+            tl.store(res_ptr + row * stride_res + h[None, :], x, mask=m)
+    out = _normed_row(x, w_ptr, h, hm, H, eps)
+    tl.store(out_ptr + row * stride_o + h[None, :], cast_rtne(out, out_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
-def _normed_row(x, w_ptr, h, m, H, eps):
-    """weight * rmsnorm(x) of one row x (BLOCK_H values in the activations' dtype, masked by m) in fp32,
-    for the caller to round to the result dtype: RMSNorm.forward's roundings."""
+def _normed_row(x, w_ptr, h, hm, H, eps):
+    """weight * rmsnorm(x) of rows x [.., BLOCK_H] (values in the activations' dtype; columns h [BLOCK_H],
+    masked by hm) in fp32, for the caller to round to the result dtype: RMSNorm.forward's roundings."""
     xf = x.to(tl.float32)
-    inv = tl.math.rsqrt(tl.sum(xf * xf, 0) / H + eps)
+    inv = tl.math.rsqrt(tl.sum(xf * xf, -1, keep_dims=True) / H + eps)
     y = cast_rtne(xf * inv, x.dtype)  # F.rms_norm(x.float()).to(x.dtype)
-    w = tl.load(w_ptr + h, mask=m, other=0.0)
+    w = tl.load(w_ptr + h, mask=hm, other=0.0)
     return y.to(tl.float32) * w.to(tl.float32)  # weight * y, rounded to the result dtype by the caller
+
+
+# Rows (tokens) one program of the row-wise kernels here (RMSNorm, RoPE + cache write, SwiGLU) takes at most under
+# Triton's CPU interpreter, which runs every program as Python and numpy calls: its time goes by the number of
+# programs, not their width (session 64: these kernels were half of an engine test's time at one row per program).
+# benchmarks/offline_compile.py sets it to 1 while it records the launches it compiles: the GPU's.
+INTERPRETER_ROWS = 64
+
+
+def rows_per_program(t: Tensor, T: int) -> int:
+    """1 on the GPU (the launches measured there: one program per row), else up to INTERPRETER_ROWS."""
+    return 1 if t.device.type == "cuda" else min(next_pow2(T), INTERPRETER_ROWS)
 
 
 def _rows(x: Tensor) -> Tensor:
@@ -125,9 +138,10 @@ def add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float)
         new_res = torch.empty_like(x, memory_format=torch.contiguous_format)
     nr2 = new_res.reshape(-1, H) if residual is not None else x2
     if T:
-        _rms_norm_kernel[(T,)](
+        rows = rows_per_program(x, T)
+        _rms_norm_kernel[(triton.cdiv(T, rows),)](
             x2, x2.stride(0), res2, res2.stride(0), weight, out2, out2.stride(0), nr2, nr2.stride(0),
-            H, eps, 1, 1, HAS_RES=residual is not None, BLOCK_H=next_pow2(H), SELECT=False,
+            T, H, eps, 1, 1, HAS_RES=residual is not None, BLOCK_H=next_pow2(H), SELECT=False, ROWS=rows,
             num_warps=4 if H <= 4096 else 8, **_launch_opts(x),
         )
     return out, new_res
@@ -147,9 +161,10 @@ def rms_norm_rows(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float
     T = R // group * n_keep
     out = torch.empty(T, H, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     if T:
-        _rms_norm_kernel[(T,)](
+        rows = rows_per_program(x, T)
+        _rms_norm_kernel[(triton.cdiv(T, rows),)](
             x2, x2.stride(0), res2, res2.stride(0), weight, out, out.stride(0), out, 0,
-            H, eps, n_keep, group, HAS_RES=residual is not None, BLOCK_H=next_pow2(H), SELECT=True,
+            T, H, eps, n_keep, group, HAS_RES=residual is not None, BLOCK_H=next_pow2(H), SELECT=True, ROWS=rows,
             num_warps=4 if H <= 4096 else 8, **_launch_opts(x),
         )
     return out
@@ -174,11 +189,11 @@ def add_rms_norm_reference(x: Tensor, residual: Tensor | None, weight: Tensor, e
 # --------------------------------------------------------------------------- RoPE + KV cache
 @triton.jit
 def _head_norm(x, xr, w_ptr, d, dr, eps, D: tl.constexpr):
-    """Per-head RMSNorm (RMSNorm over head_dim) of x [H, D] and of its half-rolled copy xr."""
+    """Per-head RMSNorm (RMSNorm over head_dim) of x [.., H, D] and of its half-rolled copy xr (d, dr: [D])."""
     xf = x.to(tl.float32)
-    inv = tl.math.rsqrt(tl.sum(xf * xf, 1) / D + eps)[:, None]
-    w = tl.load(w_ptr + d).to(tl.float32)[None, :]
-    wr = tl.load(w_ptr + dr).to(tl.float32)[None, :]
+    inv = tl.math.rsqrt(tl.sum(xf * xf, -1, keep_dims=True) / D + eps)
+    w = tl.load(w_ptr + d).to(tl.float32)
+    wr = tl.load(w_ptr + dr).to(tl.float32)
     dt = x.dtype
     xn = cast_rtne(cast_rtne(xf * inv, dt).to(tl.float32) * w, dt)
     xrn = cast_rtne(cast_rtne(xr.to(tl.float32) * inv, dt).to(tl.float32) * wr, dt)
@@ -203,54 +218,60 @@ def _rope_cache_kernel(
     qn_ptr, kn_ptr, eps,  # per-head norm weights [D]
     kc_ptr, vc_ptr, sc_slot, sc_head,  # caches: slot stride and head stride (unit stride along D)
     slot_ptr, valid_ptr,
-    Hq, Hkv,
+    Hq, Hkv, T,
     D: tl.constexpr, HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr,
     HAS_Q: tl.constexpr, ROPE: tl.constexpr, HAS_QNORM: tl.constexpr, HAS_KNORM: tl.constexpr,
-    HAS_VALID: tl.constexpr, WRITE_KOUT: tl.constexpr, WRITE_CACHE: tl.constexpr,
+    HAS_VALID: tl.constexpr, WRITE_KOUT: tl.constexpr, WRITE_CACHE: tl.constexpr, ROWS: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    # tiles [ROWS tokens, heads, D]: ROWS = rows_per_program (1 on the GPU)
     pdl_wait(PDL)
-    t = tl.program_id(0).to(tl.int64)
+    t1 = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+    tm1 = t1 < T
+    t = t1[:, None, None]
+    tm = tm1[:, None, None]
     d = tl.arange(0, D)
     dr = (d + D // 2) % D
+    d3 = d[None, None, :]
+    dr3 = dr[None, None, :]
     dt = k_ptr.dtype.element_ty
     if ROPE:
-        pos = tl.load(pos_ptr + t).to(tl.int64)
-        c = cast_rtne(tl.load(cos_ptr + pos * stride_cs + d).to(tl.float32), dt).to(tl.float32)[None, :]
-        s = cast_rtne(tl.load(sin_ptr + pos * stride_cs + d).to(tl.float32), dt).to(tl.float32)[None, :]
+        pos = tl.load(pos_ptr + t1, mask=tm1, other=0).to(tl.int64)[:, None, None]
+        c = cast_rtne(tl.load(cos_ptr + pos * stride_cs + d3).to(tl.float32), dt).to(tl.float32)
+        s = cast_rtne(tl.load(sin_ptr + pos * stride_cs + d3).to(tl.float32), dt).to(tl.float32)
 
     if HAS_Q:
-        h = tl.arange(0, HQ_PAD)
-        hm = (h < Hq)[:, None]
-        off = q_ptr + t * sq_t + h[:, None] * sq_h
-        x = tl.load(off + d[None, :], mask=hm, other=0.0)
-        xr = tl.load(off + dr[None, :], mask=hm, other=0.0)
+        h = tl.arange(0, HQ_PAD)[None, :, None]
+        hm = (h < Hq) & tm
+        off = q_ptr + t * sq_t + h * sq_h
+        x = tl.load(off + d3, mask=hm, other=0.0)
+        xr = tl.load(off + dr3, mask=hm, other=0.0)
         if HAS_QNORM:
             x, xr = _head_norm(x, xr, qn_ptr, d, dr, eps, D)
         if ROPE:
             x = _rope(x, xr, c, s)
-        tl.store(qo_ptr + (t * Hq + h[:, None]) * D + d[None, :], x, mask=hm)
+        tl.store(qo_ptr + (t * Hq + h) * D + d3, x, mask=hm)
 
-    h = tl.arange(0, HKV_PAD)
-    hm = (h < Hkv)[:, None]
-    off = k_ptr + t * sk_t + h[:, None] * sk_h
-    x = tl.load(off + d[None, :], mask=hm, other=0.0)
-    xr = tl.load(off + dr[None, :], mask=hm, other=0.0)
+    h = tl.arange(0, HKV_PAD)[None, :, None]
+    hm = (h < Hkv) & tm
+    off = k_ptr + t * sk_t + h * sk_h
+    x = tl.load(off + d3, mask=hm, other=0.0)
+    xr = tl.load(off + dr3, mask=hm, other=0.0)
     if HAS_KNORM:
         x, xr = _head_norm(x, xr, kn_ptr, d, dr, eps, D)
     if ROPE:
         x = _rope(x, xr, c, s)
     if WRITE_KOUT:
-        tl.store(ko_ptr + (t * Hkv + h[:, None]) * D + d[None, :], x, mask=hm)
+        tl.store(ko_ptr + (t * Hkv + h) * D + d3, x, mask=hm)
     if WRITE_CACHE:
-        slot = tl.load(slot_ptr + t).to(tl.int64)
+        slot = tl.load(slot_ptr + t1, mask=tm1, other=-1).to(tl.int64)
         ok = slot >= 0
         if HAS_VALID:
-            ok = ok & (tl.load(valid_ptr + t) != 0)
-        wm = hm & ok
-        cache_off = slot * sc_slot + h[:, None] * sc_head + d[None, :]
+            ok = ok & (tl.load(valid_ptr + t1, mask=tm1, other=0) != 0)
+        wm = hm & ok[:, None, None]
+        cache_off = slot[:, None, None] * sc_slot + h * sc_head + d3
         tl.store(kc_ptr + cache_off, cast_rtne(x.to(tl.float32), kc_ptr.dtype.element_ty), mask=wm)
-        v = tl.load(v_ptr + t * sv_t + h[:, None] * sv_h + d[None, :], mask=wm, other=0.0)
+        v = tl.load(v_ptr + t * sv_t + h * sv_h + d3, mask=wm, other=0.0)
         tl.store(vc_ptr + cache_off, cast_rtne(v.to(tl.float32), vc_ptr.dtype.element_ty), mask=wm)
 
 
@@ -295,7 +316,8 @@ def _launch_rope(q, k, v, positions, cos, sin_signed, k_cache, v_cache, slots, v
     else:
         k_cache = v_cache = slots = dummy
     if T:
-        _rope_cache_kernel[(T,)](
+        rows = rows_per_program(k, T)
+        _rope_cache_kernel[(triton.cdiv(T, rows),)](
             q if q is not None else dummy, q.stride(0) if q is not None else 0, q.stride(1) if q is not None else 0,
             k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
             q_out if q_out is not None else dummy, k_out if k_out is not None else dummy,
@@ -303,10 +325,10 @@ def _launch_rope(q, k, v, positions, cos, sin_signed, k_cache, v_cache, slots, v
             cos.stride(0) if rope else 0,
             q_norm if q_norm is not None else dummy, k_norm if k_norm is not None else dummy, eps,
             k_cache, v_cache, sc_slot, sc_head, slots, valid if valid is not None else slots,
-            Hq, Hkv,
+            Hq, Hkv, T,
             D=D, HQ_PAD=next_pow2(Hq), HKV_PAD=next_pow2(Hkv),
             HAS_Q=q is not None, ROPE=rope, HAS_QNORM=q_norm is not None, HAS_KNORM=k_norm is not None,
-            HAS_VALID=valid is not None, WRITE_KOUT=write_kout, WRITE_CACHE=cache,
+            HAS_VALID=valid is not None, WRITE_KOUT=write_kout, WRITE_CACHE=cache, ROWS=rows,
             num_warps=4 if D * next_pow2(max(Hq, Hkv)) <= 4096 else 8, **_launch_opts(k),
         )
     return q_out, k_out
@@ -452,12 +474,12 @@ def drafter_block_inputs_reference(anchors: Tensor, anchor_pos: Tensor, embed: T
 
 # ------------------------------------------------------------------------------------ SwiGLU
 @triton.jit
-def _silu_mul_kernel(x_ptr, stride_x, out_ptr, stride_o, I, PRECISE: tl.constexpr, BLOCK: tl.constexpr,
-                     PDL: tl.constexpr):
+def _silu_mul_kernel(x_ptr, stride_x, out_ptr, stride_o, T, I, PRECISE: tl.constexpr, BLOCK: tl.constexpr,
+                     ROWS: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    m = i < I
+    row = (tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64))[:, None]  # [ROWS, 1] of T
+    i = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK))[None, :]
+    m = (row < T) & (i < I)
     g = tl.load(x_ptr + row * stride_x + i, mask=m, other=0.0)
     u = tl.load(x_ptr + row * stride_x + I + i, mask=m, other=0.0)
     out = silu_mul_rounded(g, u, g.dtype, PRECISE)
@@ -490,9 +512,10 @@ def silu_and_mul(gate_up: Tensor) -> Tensor:
     o2 = out.view(-1, I)
     BLOCK = min(next_pow2(I), 1024)
     if T:
-        _silu_mul_kernel[(T, triton.cdiv(I, BLOCK))](x2, x2.stride(0), o2, o2.stride(0), I,
-                                                     PRECISE=gate_up.device.type == "cuda", BLOCK=BLOCK,
-                                                     num_warps=4, **pdl_opts(gate_up))
+        rows = rows_per_program(gate_up, T)
+        _silu_mul_kernel[(triton.cdiv(T, rows), triton.cdiv(I, BLOCK))](
+            x2, x2.stride(0), o2, o2.stride(0), T, I, PRECISE=gate_up.device.type == "cuda", BLOCK=BLOCK, ROWS=rows,
+            num_warps=4, **pdl_opts(gate_up))
     return out
 
 

@@ -244,3 +244,51 @@ def test_rms_norm_rows(dtype: torch.dtype, B: int, G: int, n: int) -> None:
         _close(got, want)
     with pytest.raises(ValueError, match="n_keep"):
         rms_norm_rows(x, res, w, 1e-5, G + 1, G)
+
+
+# ------------------------------------------------------------------------------ rows per program
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_per_program_change_no_bit(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The row-wise kernels take one row per program on the GPU and up to fused_ops.INTERPRETER_ROWS here: 70 ragged
+    rows (padding and rejected rows among them) at 1 row per program (the GPU's form), 4 (18 programs, the last
+    partial) and 64 give the same bits, and bf16 equals the references."""
+    from dspark.kernels import fused_ops
+
+    T, H, Hq, Hkv, D, I = 70, 576, 9, 3, 64, 1536
+    g = torch.Generator().manual_seed(70)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    res = (torch.randn(T, H, generator=g) * 4).to(dtype)
+    w = (torch.rand(H, generator=g) + 0.5).to(dtype)
+    q, k, v = _qkv(T, Hq, Hkv, D, dtype, seed=7)
+    rope = RotaryEmbedding(D, 10000.0, 512)
+    positions = torch.randint(0, 512, (T,), generator=g)
+    slots = torch.randperm(128, generator=g)[:T]
+    slots[::5] = -1  # padding rows
+    valid = torch.rand(T, generator=g) < 0.6  # rejected drafts
+    qn, kn = ((torch.rand(D, generator=g) + 0.5).to(dtype) for _ in range(2))
+    gate_up = (torch.randn(T, 2 * I, generator=g) * 3).to(dtype)
+
+    def run() -> list[torch.Tensor]:
+        caches = [torch.full((16, 8, Hkv, D), 7.0, dtype=dtype) for _ in range(4)]
+        qo, ko = rope_qk_cache(q, k, v, positions, rope.cos, rope.sin_signed, caches[0], caches[1], slots, qn, kn)
+        store_context_kv(k, v, caches[2], caches[3], slots, valid, positions, rope.cos, rope.sin_signed, kn)
+        return [*add_rms_norm(x, res, w, 1e-5), rms_norm_rows(x, res, w, 1e-5, 3, 7), qo, ko, *caches,
+                silu_and_mul(gate_up)]
+
+    outs = {}
+    for rows in (1, 4, 64):
+        monkeypatch.setattr(fused_ops, "INTERPRETER_ROWS", rows)
+        outs[rows] = run()
+    assert fused_ops.rows_per_program(x, T) == 64 and fused_ops.rows_per_program(x, 3) == 4
+    for rows in (4, 64):
+        for a, b in zip(outs[1], outs[rows]):
+            assert torch.equal(a, b), rows
+    caches = [torch.full((16, 8, Hkv, D), 7.0, dtype=dtype) for _ in range(4)]
+    qr, kr = rope_qk_cache_reference(q, k, v, positions, rope.cos, rope.sin_signed, caches[0], caches[1], slots,
+                                     qn, kn)
+    store_context_kv_reference(k, v, caches[2], caches[3], slots, valid, positions, rope.cos, rope.sin_signed, kn)
+    keep = (torch.arange(T) % 7) < 3
+    refs = [*add_rms_norm_reference(x, res, w, 1e-5), add_rms_norm_reference(x, res, w, 1e-5)[0][keep], qr, kr,
+            *caches, silu_and_mul_reference(gate_up)]
+    for a, b in zip(outs[64], refs):
+        _close(a, b)
