@@ -878,7 +878,9 @@ class _RowSettings:
 # Fewer, larger tiles: a row's programs meet at one atomic counter, and its partials are a 24-entry
 # reduction instead of 192. (1024 x 4 was as fast greedy and at T = 1, slower with top-p.)
 MARKOV_TILE_CUDA = (2048, 8)
-MARKOV_TILE_CPU = (256, 4)  # Triton's interpreter: the tests' sizes
+# Triton's interpreter: one program per row and slot at the tests' vocabularies (its time goes by the number of
+# programs, not their width; the kernel tests pass smaller tiles to cover the multi-tile paths)
+MARKOV_TILE_CPU = (1024, 4)
 
 # Drafts at a temperature only (what DSpark drafts with: sampler.draft_params drops top-k / top-p / min-p) take
 # _markov_temp_kernel (one launch per slot, _markov_norm_kernel once after the loop) instead of the two general
