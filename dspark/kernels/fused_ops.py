@@ -13,7 +13,8 @@ tensor value on the host, so all of them can be captured in a CUDA graph):
   absolute position and cast to the activations' dtype, as ``cos_sin`` does), and the paged-cache
   write of the rotated k and of v at ``slot_mapping`` (layout ``[num_blocks, block_size, Hkv, D]``,
   see dspark/layers/attention.py). One program per token (rows_per_program: several under the interpreter)
-  handles all its heads; q/k/v may be strided views of the fused qkv projection. Rows with a negative slot are not written (padding).
+  handles all its heads; q/k/v may be strided views of the fused qkv projection. Rows with a negative slot are
+  not written (padding).
 - ``silu_and_mul``: SwiGLU, ``silu(gate) * up`` on the fused ``[.., 2I]`` gate|up projection.
 - ``store_context_kv``: the DSpark drafter's context K/V store (DSparkProposer.write_context /
   DrafterLayer.context_kv): optional k_norm and RoPE on K, then K and V of *committed* rows only
