@@ -69,7 +69,9 @@ def cast_rtne(x, dtype: tl.constexpr):
 
 
 # ----------------------------------------------------------------------------------- RMSNorm
-@triton.jit
+# T, the step's row count, is not specialised on (== 1, divisible by 16): one compiled kernel for every T, so that a new
+# row count never compiles while serving (rejection.py, "Compiled variants"); the same for the two kernels below.
+@triton.jit(do_not_specialize=["T"])
 def _rms_norm_kernel(
     x_ptr, stride_x, r_ptr, stride_r, w_ptr, out_ptr, stride_o, res_ptr, stride_res,
     T, H, eps, n_keep, group,
@@ -211,7 +213,7 @@ def _rope(x, xr, c, s):
     return cast_rtne(a.to(tl.float32) + b.to(tl.float32), dt)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _rope_cache_kernel(
     q_ptr, sq_t, sq_h, k_ptr, sk_t, sk_h, v_ptr, sv_t, sv_h,
     qo_ptr, ko_ptr,  # contiguous [T, Hq, D] / [T, Hkv, D] outputs
@@ -474,7 +476,7 @@ def drafter_block_inputs_reference(anchors: Tensor, anchor_pos: Tensor, embed: T
 
 
 # ------------------------------------------------------------------------------------ SwiGLU
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _silu_mul_kernel(x_ptr, stride_x, out_ptr, stride_o, T, I, PRECISE: tl.constexpr, BLOCK: tl.constexpr,
                      ROWS: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)
