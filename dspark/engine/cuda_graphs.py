@@ -19,7 +19,7 @@ What is captured (only with the triton attention backend on CUDA, unless ``enfor
 - **Verification graphs** (q > 1), one per (B, kind): after the target graph, the argmax and greedy
   verification of every row and, for sampled rows, their processed distributions and the fused
   rejection kernel (``_verify_step``; the runner picks the kind, ``verify_kind``).
-- **Whole-step graphs** (q > 1, batch sizes up to WHOLE_STEP_MAX_BATCH), one per (B, bucket, greedy |
+- **Whole-step graphs** (q > 1, batch sizes up to whole_step_max_batch: 16 where captured), one per (B, bucket, greedy |
   sampled): a one-sync step without prefill rows as one graph — the target, verification and drafter steps
   above with the drafter's inputs between them and the read-back's concatenation after (``_whole_step``).
   The three graphs above still serve the steps it does not (prefill rows, the filtered kind, larger
@@ -112,10 +112,21 @@ VERIFY_FROM_LOGITS_MIN_ROWS = 128
 # batch 1 / 8 / 16 / 32 (greedy); as one graph with two events 875 / 996 / 1398 / 1895 and 864 / 984 / 1386 / 1865
 # without the read-back: every graph boundary is a launch whose first kernel cannot start early (PDL works inside
 # a graph), and each small operation between graphs costs device time of its own. Above 16 the gain was within
-# noise and every size costs graphs to capture (buckets x 2 per size and graph set). OFF unless DSPARK_WHOLE_STEP=1:
-# the engine's whole-step graphs have not yet been captured or timed on a GPU (no device machine came for that in
-# session 62; the probe captured the same sequence in a graph of its own): benchmarks/whole_step_ab.py is the A/B.
-WHOLE_STEP_MAX_BATCH = 16 if os.environ.get("DSPARK_WHOLE_STEP", "0") == "1" else 0
+# noise and every size costs graphs to capture (buckets x 2 per size and graph set). End to end (H100, session 64,
+# benchmarks/whole_step_ab.py, one engine flipping it between alternating calls, the same tokens): batch 1 +5.7 %
+# greedy and +3.2 % at temperature 1 (0.968 -> 0.916 ms per step greedy), batch 8 +1.9 % / +3.1 %. So ON where the
+# graphs are captured (CUDA); capture=False (the CPU tests' graph steps) keeps the three graphs unless this is set.
+# None: that default; DSPARK_WHOLE_STEP=1 / 0: on (16) / off (0) everywhere.
+_WHOLE_ENV = os.environ.get("DSPARK_WHOLE_STEP")
+WHOLE_STEP_MAX_BATCH: int | None = None if _WHOLE_ENV is None else 16 if _WHOLE_ENV == "1" else 0
+
+
+def whole_step_max_batch(capture: bool) -> int:
+    """The largest batch a whole-step graph runs (0: none): WHOLE_STEP_MAX_BATCH, or by default 16 for captured
+    graphs and 0 for capture=False."""
+    if WHOLE_STEP_MAX_BATCH is not None:
+        return WHOLE_STEP_MAX_BATCH
+    return 16 if capture else 0
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -271,7 +282,7 @@ class StepGraphs:
         # Whole-step graphs (WHOLE_STEP_MAX_BATCH) up to this batch size, and the buffer they concatenate the
         # step's read-back into ([tokens Bg x q | emitted Bg | drafts Bg x N] of the padded batch): read by the copy
         # to the host queued right after the replay, rewritten by the next whole step's replay, in stream order.
-        self.whole_max_batch = WHOLE_STEP_MAX_BATCH if self.draft_graphs and q > 1 else 0
+        self.whole_max_batch = whole_step_max_batch(capture) if self.draft_graphs and q > 1 else 0
         self.flat = torch.zeros(Bm * (q + 1 + self.n_spec), **i64) if self.whole_max_batch else None
         # drafts probabilistic in a step of each verification kind (whole-step graphs fix it at capture): sampled
         # requests draft probabilistically exactly when the config says so, greedy ones never

@@ -299,6 +299,26 @@ def test_whole_step_graphs_match_the_three_graphs(target, drafter, prompts, monk
     assert (st.num_drafts, st.num_accepted) == (ref_st.num_drafts, ref_st.num_accepted) and st.num_accepted > 0
 
 
+def test_whole_step_graphs_are_on_by_default_where_captured(monkeypatch):
+    """Whole-step graphs (session 64's H100 A/B: +2-6 % at batch 1-8, the same tokens) are on by default for captured
+    graph sets (CUDA) and off for capture=False, the CPU tests' graph steps; DSPARK_WHOLE_STEP=1 / 0 sets them on /
+    off for both (read when the module is imported: a fresh interpreter per setting)."""
+    import subprocess
+    import sys
+
+    from dspark.engine import cuda_graphs
+
+    monkeypatch.setattr(cuda_graphs, "WHOLE_STEP_MAX_BATCH", None)
+    assert (cuda_graphs.whole_step_max_batch(True), cuda_graphs.whole_step_max_batch(False)) == (16, 0)
+    code = ("from dspark.engine import cuda_graphs as c; "
+            "print(c.WHOLE_STEP_MAX_BATCH, c.whole_step_max_batch(True), c.whole_step_max_batch(False))")
+    env = {k: v for k, v in os.environ.items() if k != "DSPARK_WHOLE_STEP"}
+    for setting, want in ((None, "None 16 0"), ("1", "16 16 16"), ("0", "0 0 0")):
+        e = env if setting is None else {**env, "DSPARK_WHOLE_STEP": setting}
+        out = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, check=True)
+        assert out.stdout.split("\n")[-2] == want, (setting, out.stdout)
+
+
 def test_whole_step_times_split_by_the_last_three_graph_step(target, drafter):
     """A whole-step graph's GPU time (two events) is split into verification and drafting by the drafter's share
     in the last step of its (batch size, kind) timed with three events; before any such step, all verification."""
