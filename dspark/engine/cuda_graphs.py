@@ -19,9 +19,10 @@ What is captured (only with the triton attention backend on CUDA, unless ``enfor
 - **Verification graphs** (q > 1), one per (B, kind): after the target graph, the argmax and greedy
   verification of every row and, for sampled rows, their processed distributions and the fused
   rejection kernel (``_verify_step``; the runner picks the kind, ``verify_kind``).
-- **Whole-step graphs** (q > 1, batch sizes up to whole_step_max_batch: 16 where captured), one per (B, bucket, greedy |
-  sampled): a one-sync step without prefill rows as one graph — the target, verification and drafter steps
-  above with the drafter's inputs between them and the read-back's concatenation after (``_whole_step``).
+- **Whole-step graphs** (q > 1, batch sizes up to whole_step_max_batch: 16 where captured), one per
+  (B, bucket, greedy | sampled): a one-sync step without prefill rows as one graph — the target, verification
+  and drafter steps above with the drafter's inputs between them and the read-back's concatenation after
+  (``_whole_step``).
   The three graphs above still serve the steps it does not (prefill rows, the filtered kind, larger
   batches, a step timed piece by piece: ModelRunner.launch_one_sync).
 - **Sampling graphs** (q = 1), one per (B, with top-p / min-p or not): the draw of a launched decode
@@ -117,8 +118,9 @@ VERIFY_FROM_LOGITS_MIN_ROWS = 128
 # greedy and +3.2 % at temperature 1 (0.968 -> 0.916 ms per step greedy), batch 8 +1.9 % / +3.1 %. So ON where the
 # graphs are captured (CUDA); capture=False (the CPU tests' graph steps) keeps the three graphs unless this is set.
 # None: that default; DSPARK_WHOLE_STEP=1 / 0: on (16) / off (0) everywhere.
+WHOLE_STEP_BATCHES = 16
 _WHOLE_ENV = os.environ.get("DSPARK_WHOLE_STEP")
-WHOLE_STEP_MAX_BATCH: int | None = None if _WHOLE_ENV is None else 16 if _WHOLE_ENV == "1" else 0
+WHOLE_STEP_MAX_BATCH: int | None = None if _WHOLE_ENV is None else WHOLE_STEP_BATCHES if _WHOLE_ENV == "1" else 0
 
 
 def whole_step_max_batch(capture: bool) -> int:
@@ -126,7 +128,7 @@ def whole_step_max_batch(capture: bool) -> int:
     graphs and 0 for capture=False."""
     if WHOLE_STEP_MAX_BATCH is not None:
         return WHOLE_STEP_MAX_BATCH
-    return 16 if capture else 0
+    return WHOLE_STEP_BATCHES if capture else 0
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -279,7 +281,7 @@ class StepGraphs:
             # the uploaded ones are verification's) and VERIFY_SAMPLED's B x q rows (_verify_step)
             self._neutral_rows = (torch.full((Tm,), V, **i64), torch.ones(Tm, **f32), torch.zeros(Tm, **f32))
         self.s_out = torch.zeros(Bm, **i64)  # a sampling graph's tokens (a fixed buffer: see v_out)
-        # Whole-step graphs (WHOLE_STEP_MAX_BATCH) up to this batch size, and the buffer they concatenate the
+        # Whole-step graphs (whole_step_max_batch) up to this batch size, and the buffer they concatenate the
         # step's read-back into ([tokens Bg x q | emitted Bg | drafts Bg x N] of the padded batch): read by the copy
         # to the host queued right after the replay, rewritten by the next whole step's replay, in stream order.
         self.whole_max_batch = whole_step_max_batch(capture) if self.draft_graphs and q > 1 else 0
