@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -24,7 +24,7 @@ from dspark.engine.scheduler import Scheduler
 from dspark.models.loader import load_model
 from dspark.sampling_params import InvalidRequestError, SamplingParams
 from dspark.spec.adaptive import AcceptanceEstimate, SampledBatchRule, VerifyLengthPolicy
-from dspark.spec.config import SpeculativeConfig, SpeculativeConfigError
+from dspark.spec.config import SpeculativeConfig, SpeculativeConfigError, resolve_for_target
 from dspark.spec.metrics import SpecStats
 from dspark.spec.proposer import DSparkProposerFactory
 
@@ -89,29 +89,8 @@ class LLMEngine:
         self.model_config = mc
         self.tokenizer = loaded.tokenizer
         factory = proposer_factory
-        if spec is not None and spec.model is None and factory is None:
-            # No drafter named: the one dspark ships for this target, if any (dspark/drafters), with its
-            # recommended settings (probabilistic drafts, block verification) for the keys the config did
-            # not name, as `dspark generate` / `bench` use it; vLLM's defaults stay for named drafters.
-            from dspark.drafters import default_speculative_config
-
-            shipped = default_speculative_config(loaded.name)
-            if shipped is not None:
-                named = getattr(spec, "given", None)  # the keys SpeculativeConfig.parse saw named
-                if named is None:  # built in code: every field counts as chosen
-                    named = {f.name for f in fields(spec)}
-                fill = {k: v for k, v in shipped.items() if k == "model" or k not in named}
-                # a recommended sampled-batch rule gives way to what the config chose: adaptive verification
-                # (the two exclude each other), or a num_speculative_tokens at or under the rule's length
-                n = spec.num_speculative_tokens
-                if spec.verify_lengths is not None or (n is not None and fill.get("sampled_verify_length", 0) >= n):
-                    fill.pop("sampled_verify_length", None)
-                if "sampled_verify_length" not in fill and spec.sampled_verify_length is None:  # the rule is off
-                    fill.pop("greedy_verify_batches", None)
-                spec = replace(spec, **fill)
-        if spec is not None and spec.greedy_verify_batches is not None and spec.sampled_verify_length is None:
-            raise SpeculativeConfigError("greedy_verify_batches needs sampled_verify_length: the number of drafts "
-                                         "those batches verify")
+        # no drafter named: the one dspark ships for this target with its settings (not for a proposer given in code)
+        spec = resolve_for_target(spec, loaded.name if factory is None else None)
         if spec is not None and factory is None:
             factory = DSparkProposerFactory(spec, mc, cfg.max_model_len + 64, cfg.dtype, dev)
         if factory is not None and spec is None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 
@@ -130,3 +130,33 @@ class SpeculativeConfig:
         # built in code has none: every field counts as chosen.
         object.__setattr__(cfg, "given", frozenset(value))
         return cfg
+
+
+def resolve_for_target(spec: SpeculativeConfig | None, target: str | None) -> SpeculativeConfig | None:
+    """The config the engine runs for the target named ``target`` (the loader's name; None: fill nothing).
+
+    No drafter named (``"model"`` absent): the one dspark ships for this target, if any (dspark/drafters), with
+    its recommended settings (probabilistic drafts, block verification, the sampled-batch rule and its greedy
+    window) for the keys the config did not name, as `dspark generate` / `bench` use it; vLLM's defaults stay
+    for named drafters. A recommended sampled-batch rule gives way to what the config chose: adaptive
+    verification (the two exclude each other), or a num_speculative_tokens at or under the rule's length; where
+    the rule is off its greedy window goes too. Then the one check that needs the filled config."""
+    if spec is not None and spec.model is None and target is not None:
+        from dspark.drafters import default_speculative_config
+
+        shipped = default_speculative_config(target)
+        if shipped is not None:
+            named = getattr(spec, "given", None)  # the keys SpeculativeConfig.parse saw named
+            if named is None:  # built in code: every field counts as chosen
+                named = {f.name for f in fields(spec)}
+            fill = {k: v for k, v in shipped.items() if k == "model" or k not in named}
+            n = spec.num_speculative_tokens
+            if spec.verify_lengths is not None or (n is not None and fill.get("sampled_verify_length", 0) >= n):
+                fill.pop("sampled_verify_length", None)
+            if "sampled_verify_length" not in fill and spec.sampled_verify_length is None:  # the rule is off
+                fill.pop("greedy_verify_batches", None)
+            spec = replace(spec, **fill)
+    if spec is not None and spec.greedy_verify_batches is not None and spec.sampled_verify_length is None:
+        raise SpeculativeConfigError("greedy_verify_batches needs sampled_verify_length: the number of drafts "
+                                     "those batches verify")
+    return spec

@@ -18,7 +18,7 @@ import pytest
 from dspark import LLM, SamplingParams
 from dspark.drafters import default_speculative_config, shipped_drafter
 from dspark.models.dspark_drafter import DrafterConfig
-from dspark.spec.config import SpeculativeConfigError
+from dspark.spec.config import SpeculativeConfig, SpeculativeConfigError, resolve_for_target
 
 pytestmark = pytest.mark.slow
 
@@ -83,10 +83,15 @@ def test_shipped_drafter_brings_its_settings_unless_named(spec_llm) -> None:
     assert (sc.model, sc.draft_sample_method, sc.rejection_sample_method) == (
         str(shipped_drafter(None)), "probabilistic", "block")
 
-    def spec_of(config):
-        return LLM(device="cpu", dtype="float32", max_model_len=256, kv_cache_memory_gb=0.1,
-                   speculative_config=config).engine.spec_config
+    def spec_of(config):  # what the engine runs for the default target (its __init__ calls this)
+        return resolve_for_target(SpeculativeConfig.parse(config), spec_llm.engine.model_name)
 
+    assert spec_of({"method": "dspark", "confidence_scheduling": False}) == sc  # the engine's own path
+    assert spec_of({"method": "dspark"}).model == sc.model and spec_of(None) is None
+    assert spec_of({"method": "dspark"}) == resolve_for_target(SpeculativeConfig.parse({"method": "dspark"}),
+                                                                "SmolLM2-135M-Instruct")
+    assert resolve_for_target(SpeculativeConfig.parse({"method": "dspark"}), "another-model").model is None
+    assert resolve_for_target(SpeculativeConfig.parse({"method": "dspark"}), None).model is None
     named = spec_of({"method": "dspark", "rejection_sample_method": "standard"})
     assert (named.draft_sample_method, named.rejection_sample_method) == ("probabilistic", "standard")
     by_path = spec_of({"model": str(shipped_drafter(None))})  # a drafter named: vLLM's defaults
