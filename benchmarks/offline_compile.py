@@ -250,13 +250,11 @@ def record_engine_launches(path: str, dtype: str, shape: str = "tiny") -> None:
     from dspark import LLM, SamplingParams
     from dspark.config import ModelConfig
     from dspark.engine import cuda_graphs
-    from dspark.kernels import fused_ops
     from dspark.models.dspark_drafter import (DrafterConfig, drafter_config_dict, random_drafter_state_dict,
                                               write_drafter)
     from tests.conftest import write_tiny_checkpoint
 
-    seen = record_launches()
-    fused_ops.INTERPRETER_ROWS = 1  # the GPU's launches (one row per program), not the interpreter's
+    seen = record_launches()  # fused_ops' row-wise kernels at the interpreter's width (compile_launches: the GPU's)
     cuda_graphs.VERIFY_FROM_LOGITS_MIN_ROWS = 0  # the verification from logits too (a GPU's 128-row steps take it)
     root = Path(tempfile.mkdtemp())
     target_shape, drafter_shape = SHAPES[shape]
@@ -285,11 +283,21 @@ def record_engine_launches(path: str, dtype: str, shape: str = "tiny") -> None:
 
 
 def compile_launches(path: str, arch: int = 90) -> list[dict]:
-    """Compile each launch of a file that record_launches' counts were written to (write_launches)."""
-    reports = []
+    """Compile each launch of a file that record_launches' counts were written to (write_launches). fused_ops'
+    row-wise kernels compile with the GPU's rows per program (fused_ops.GPU_ROWS), whatever the interpreter took:
+    their launches differ only in that constexpr (ROWS) and the grid, so widths that differ are one GPU launch."""
+    from dspark.kernels import fused_ops
+
+    launches: dict[str, list] = {}
     for module, name, types, consts, warps, stages, count in json.loads(Path(path).read_text()):
         if not module.startswith("dspark."):  # kernels the tests define themselves
             continue
+        if module == fused_ops.__name__ and "ROWS" in consts:
+            consts = {**consts, "ROWS": fused_ops.GPU_ROWS}
+        key = json.dumps([module, name, types, consts, warps, stages])
+        launches[key] = [module, name, types, consts, warps, stages, launches.get(key, [0] * 7)[6] + count]
+    reports = []
+    for module, name, types, consts, warps, stages, count in launches.values():
         fn = getattr(importlib.import_module(module), name)
         types = {k: types[k] for k in inspect.signature(fn.fn).parameters}  # the kernel's argument order
         rep = compile_report(fn, consts, types, warps, stages, arch)

@@ -110,13 +110,14 @@ def _normed_row(x, w_ptr, h, hm, H, eps):
 # Rows (tokens) one program of the row-wise kernels here (RMSNorm, RoPE + cache write, SwiGLU) takes at most under
 # Triton's CPU interpreter, which runs every program as Python and numpy calls: its time goes by the number of
 # programs, not their width (session 64: these kernels were half of an engine test's time at one row per program).
-# benchmarks/offline_compile.py sets it to 1 while it records the launches it compiles: the GPU's.
+# benchmarks/offline_compile.py compiles the launches it records with ROWS = GPU_ROWS: the GPU's.
 INTERPRETER_ROWS = 64
+GPU_ROWS = 1
 
 
 def rows_per_program(t: Tensor, T: int) -> int:
-    """1 on the GPU (the launches measured there: one program per row), else up to INTERPRETER_ROWS."""
-    return 1 if t.device.type == "cuda" else min(next_pow2(T), INTERPRETER_ROWS)
+    """GPU_ROWS on the GPU (the launches measured there: one program per row), else up to INTERPRETER_ROWS."""
+    return GPU_ROWS if t.device.type == "cuda" else min(next_pow2(T), INTERPRETER_ROWS)
 
 
 def _rows(x: Tensor) -> Tensor:

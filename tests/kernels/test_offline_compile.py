@@ -78,5 +78,9 @@ def test_every_engine_launch_compiles_for_sm90():
                  ("_verify_standard_kernel", "Q_ROWS", True), ("_shift_rows_kernel", "HAS_IDX", True)]:
         assert want in launched, want
     assert all(rep["constexprs"].get("PDL", True) for rep in reps)  # every kernel with the parameter: on
+    # fused_ops' row-wise kernels as the GPU launches them (recorded at the interpreter's width)
+    rows = [rep for rep in reps if "ROWS" in rep["constexprs"]]
+    assert {rep["kernel"] for rep in rows} == {"_rms_norm_kernel", "_rope_cache_kernel", "_silu_mul_kernel"}
+    assert {rep["constexprs"]["ROWS"] for rep in rows} == {1}
     assert {"_block_inputs_kernel", "_row_flags_kernel", "_drafter_attention_kernel", "_paged_attention_kernel",
             "_stats_kernel", "_drafter_inputs_kernel"} <= {rep["kernel"] for rep in reps}
