@@ -74,3 +74,54 @@ def test_tuple_types_format_their_names_when_read() -> None:
     assert t.name == "renamed"
     x, out = _launch(2)  # kernels build tuples (shapes) as before
     assert torch.equal(out, x * 4.0)
+
+
+def test_numpy_dtypes_from_the_table_built_once() -> None:
+    """_cached_np_dtypes: the same numpy dtype upstream's _get_np_dtype gives, for every scalar type of
+    triton.language, its blocks and pointers; a type upstream does not know still raises."""
+    from triton.runtime import interpreter
+
+    fast = interpreter._get_np_dtype
+    if not getattr(fast, "dspark_cached", False):
+        pytest.skip("this Triton's _get_np_dtype is not the one replaced")
+    import inspect
+
+    upstream = inspect.getclosurevars(fast).nonlocals["orig"]
+    types = [v for v in vars(tl).values() if isinstance(v, tl.dtype) and not isinstance(v, tl.block_type)]
+    known = 0
+    for t in types + [tl.pointer_type(tl.float32), tl.block_type(tl.pointer_type(tl.int64), [4])]:
+        for ty in (t, tl.block_type(t, [2, 8])) if not isinstance(t, tl.block_type) else (t,):
+            try:
+                want = upstream(ty)
+            except KeyError:
+                with pytest.raises(KeyError):
+                    fast(ty)
+                continue
+            assert fast(ty) == want, ty
+            known += 1
+    assert known >= 30  # 17 scalar types and pointers, each alone and as a block
+
+
+def test_block_types_shared_by_element_type_and_shape() -> None:
+    """_shared_block_types: a block type of an (element type, shape) seen before takes its attributes; its
+    name is upstream's format when read, equality and shapes are unchanged, a tensor's shape and numel come
+    from its type; a 0-d shape still raises; kernels give the same results."""
+    core = tl.core
+    if not getattr(core.block_type, "dspark_shared", False):
+        pytest.skip("this Triton's block_type / tensor __init__ are not the ones replaced")
+    a = core.block_type(tl.float32, [4, core.constexpr(8)])
+    b = core.block_type(tl.float32, core.tuple([4, 8]))
+    c = core.block_type(tl.bfloat16, [4, 8])
+    assert a == b and a != c and list(a.shape) == [4, 8] == list(b.shape) and a.numel == 32
+    assert "_name" not in vars(a) and a.name == str(b) == "<['4', '8'], fp32>" and str(c) == "<['4', '8'], bf16>"
+    assert a.get_block_shapes() is b.get_block_shapes()  # shared: nothing changes a shape once made
+    with pytest.raises(TypeError, match="0d block_type"):
+        core.block_type(tl.float32, [])
+    with pytest.raises(AssertionError):
+        core.block_type(tl.float32, (4, 8))  # upstream's check: a list or a tl.tuple
+    t = core.tensor(None, a)
+    assert [s.value for s in t.shape] == [4, 8] and t.numel.value == 32 and t.dtype == tl.float32 and t.type is a
+    s = core.tensor(None, tl.int32)
+    assert len(s.shape) == 0 and s.numel.value == 1 and s.dtype == tl.int32
+    x, out = _launch(3)
+    assert torch.equal(out, x * 8.0)
