@@ -288,16 +288,17 @@ def compile_launches(path: str, arch: int = 90) -> list[dict]:
     their launches differ only in that constexpr (ROWS) and the grid, so widths that differ are one GPU launch."""
     from dspark.kernels import fused_ops
 
-    launches: dict[str, list] = {}
+    counts: dict[str, int] = {}  # JSON of [module, kernel, types, constexprs, warps, stages] -> launches
     for module, name, types, consts, warps, stages, count in json.loads(Path(path).read_text()):
         if not module.startswith("dspark."):  # kernels the tests define themselves
             continue
         if module == fused_ops.__name__ and "ROWS" in consts:
             consts = {**consts, "ROWS": fused_ops.GPU_ROWS}
         key = json.dumps([module, name, types, consts, warps, stages])
-        launches[key] = [module, name, types, consts, warps, stages, launches.get(key, [0] * 7)[6] + count]
+        counts[key] = counts.get(key, 0) + count
     reports = []
-    for module, name, types, consts, warps, stages, count in launches.values():
+    for key, count in counts.items():
+        module, name, types, consts, warps, stages = json.loads(key)
         fn = getattr(importlib.import_module(module), name)
         types = {k: types[k] for k in inspect.signature(fn.fn).parameters}  # the kernel's argument order
         rep = compile_report(fn, consts, types, warps, stages, arch)
